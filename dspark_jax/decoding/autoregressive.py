@@ -1,0 +1,198 @@
+"""Target-only batched generation: the baseline DSpark is measured against.
+
+Shapes are static per (batch slots, cache length, prefill bucket), so after the first call
+nothing compiles again however many tokens are generated. Prompts of different lengths share
+one right-padded prefill; each row then decodes at its own position. Finished rows are frozen
+(their cache length stops moving) while the rest continue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.config import SamplingConfig
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.target import TargetModel
+from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
+
+CACHE_LEN_MULTIPLE = 128
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= n (and >= minimum): few distinct shapes, bounded padding."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # generated ids per request, a stop token included when one ended it
+    finish_reasons: list[str]  # "stop" (EOS / stop id) or "length" (max_new_tokens)
+    prefill_s: float  # prefill + first token
+    decode_s: float  # every later step
+    steps: int  # decode steps after prefill
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens from the decode loop (excluding each request's first, from prefill) per second."""
+        produced = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return produced / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    if len(prompts) == 0:
+        raise ValueError("no prompts given")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+        checked.append(ids)
+    return checked
+
+
+class AutoregressiveGenerator:
+    """Jitted prefill + decode step over a target, and a host loop that drives them."""
+
+    def __init__(self, target: TargetModel):
+        self.target = target
+
+        def prefill(params, cache, tokens_BxP, prompt_lens_B, keys_B, sampling):
+            out = target.apply(
+                params, tokens_BxP, cache, n_new_B=prompt_lens_B, logits_at_B=prompt_lens_B - 1
+            )
+            first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
+            return first, out.cache
+
+        def decode_step(params, cache, tokens_B, active_B, step_B, keys_B, sampling):
+            out = target.apply(
+                params,
+                tokens_B[:, None],
+                cache,
+                n_new_B=active_B.astype(jnp.int32),
+                logits_at_B=jnp.zeros_like(step_B),
+            )
+            return sample(out.logits, sampling, step_keys(keys_B, step_B)), out.cache
+
+        # The cache is donated: every layer's K/V buffer is updated in place.
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._decode_step = jax.jit(decode_step, donate_argnums=(1,))
+
+    def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
+        """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent."""
+        start = time.perf_counter()
+        cache = self.target.new_cache(batch, max_len)
+        params = SamplingParams.broadcast(SamplingConfig(), batch)
+        keys = request_keys(range(batch))
+        lens = jnp.ones((batch,), jnp.int32)
+        token_B, cache = self._prefill(
+            self.target.params, cache, jnp.zeros((batch, bucket(prompt_len)), jnp.int32), lens, keys, params
+        )
+        active = jnp.ones((batch,), bool)
+        token_B, cache = self._decode_step(self.target.params, cache, token_B, active, lens, keys, params)
+        jax.block_until_ready(token_B)
+        return time.perf_counter() - start
+
+    def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+        need = max(prompt_lens) + max_new_tokens
+        size = -(-need // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
+        limit = self.target.cfg.max_position_embeddings
+        if need > limit:
+            raise ValueError(
+                f"prompt ({max(prompt_lens)} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
+                f"exceeds the model's max_position_embeddings ({limit})"
+            )
+        return min(size, limit)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+        seeds: Sequence[int] | int = 0,
+        stop_ids: Sequence[int] = (),
+        max_len: int | None = None,
+        on_step: Callable[[np.ndarray], None] | None = None,
+    ) -> GenerationResult:
+        """Generate for a batch of token-id prompts.
+
+        ``max_new_tokens=0`` returns empty completions without running the model. ``seeds`` is one
+        int per request (or one int, request ``i`` then using ``seed + i``). ``max_len`` fixes the
+        cache length (default: the prompt + max_new_tokens rounded up to a multiple of 128).
+        """
+        prompts = validate_prompts(prompts, self.target.cfg.vocab_size)
+        batch = len(prompts)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
+            return GenerationResult([[] for _ in prompts], ["length"] * batch, 0.0, 0.0, 0)
+        configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
+        if len(configs) != batch:
+            raise ValueError(f"got {len(configs)} sampling configs for {batch} prompts")
+        seed_list = [seeds + i for i in range(batch)] if isinstance(seeds, int) else list(seeds)
+        if len(seed_list) != batch:
+            raise ValueError(f"got {len(seed_list)} seeds for {batch} prompts")
+        lens = [len(p) for p in prompts]
+        if max_len is None:
+            max_len = self.cache_len_for(lens, max_new_tokens)
+        elif max(lens) + max_new_tokens > max_len:
+            raise ValueError(
+                f"prompt of {max(lens)} tokens + max_new_tokens {max_new_tokens} does not fit the "
+                f"cache length {max_len}"
+            )
+
+        padded = np.zeros((batch, bucket(max(lens))), np.int32)
+        for row, prompt in enumerate(prompts):
+            padded[row, : len(prompt)] = prompt
+        params = SamplingParams.from_configs(configs)
+        keys = request_keys(seed_list)
+        stops = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
+        cache = self.target.new_cache(batch, max_len)
+
+        start = time.perf_counter()
+        token_B, cache = self._prefill(
+            self.target.params, cache, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), keys, params
+        )
+        token_np = np.asarray(token_B)
+        prefill_s = time.perf_counter() - start
+
+        out: list[list[int]] = [[] for _ in range(batch)]
+        reasons = ["length"] * batch
+        active = np.ones(batch, bool)
+        steps = 0
+        start = time.perf_counter()
+        while True:
+            for row in np.flatnonzero(active):
+                out[row].append(int(token_np[row]))
+                if np.isin(token_np[row], stops):
+                    active[row], reasons[row] = False, "stop"
+                elif len(out[row]) >= max_new_tokens:
+                    active[row] = False
+            if on_step is not None:
+                on_step(token_np)
+            if not active.any():
+                break
+            step_B = jnp.asarray([len(t) for t in out], jnp.int32)
+            token_B, cache = self._decode_step(
+                self.target.params, cache, token_B, jnp.asarray(active), step_B, keys, params
+            )
+            token_np = np.asarray(token_B)
+            steps += 1
+        decode_s = time.perf_counter() - start
+        return GenerationResult(out, reasons, prefill_s, decode_s, steps)
