@@ -7,7 +7,8 @@ mistake surfaces when the config is built, not as a shape error deep inside XLA.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 ARCHITECTURES = ("llama", "qwen3")
 
@@ -93,7 +94,7 @@ class TargetConfig:
             )
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "TargetConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> TargetConfig:
         return _from_mapping(cls, values, "TargetConfig")
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ transformers'. Each request has its own PRNG key; step ``n`` of a request uses
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ class SamplingParams(NamedTuple):
     top_p_B: jax.Array  # float32 [B]
 
     @classmethod
-    def from_configs(cls, configs: Sequence[SamplingConfig]) -> "SamplingParams":
+    def from_configs(cls, configs: Sequence[SamplingConfig]) -> SamplingParams:
         if not configs:
             raise ValueError("need one SamplingConfig per request, got none")
         return cls(
@@ -39,10 +40,10 @@ class SamplingParams(NamedTuple):
         )
 
     @classmethod
-    def broadcast(cls, config: SamplingConfig, batch: int) -> "SamplingParams":
+    def broadcast(cls, config: SamplingConfig, batch: int) -> SamplingParams:
         return cls.from_configs([config] * batch)
 
-    def expand(self, steps: int) -> "SamplingParams":
+    def expand(self, steps: int) -> SamplingParams:
         """Repeat each request's parameters over ``steps`` positions: [B] -> [B * steps]."""
         return SamplingParams(*(jnp.repeat(x, steps) for x in self))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jinja2
 import jinja2.ext

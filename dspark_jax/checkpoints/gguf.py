@@ -90,7 +90,8 @@ def config_from_gguf(reader) -> TargetConfig:
         num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(head_dim or hidden // num_heads),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        # GGUF stores eps as float32 (1e-5 reads back as 9.9999997e-06); keep the intended value.
+        rms_norm_eps=float(f"{_field(reader, f'{arch}.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
         tie_word_embeddings="output.weight" not in names,
         qk_norm=arch == "qwen3",
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 8192)),

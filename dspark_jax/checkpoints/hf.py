@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,8 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"HF config sets {flag}=true, which this Llama-family port does not implement")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}; this port implements SwiGLU (silu)")
     if model_type == "qwen3" and hf.get("use_sliding_window"):
         raise ValueError("Qwen3 configs with use_sliding_window=true are not supported")
     scaling = hf.get("rope_scaling") or hf.get("rope_parameters")

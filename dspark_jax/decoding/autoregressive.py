@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.target import TargetModel
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
@@ -124,7 +123,7 @@ class AutoregressiveGenerator:
         prompts: Sequence[Sequence[int]],
         *,
         max_new_tokens: int,
-        sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+        sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
         seeds: Sequence[int] | int = 0,
         stop_ids: Sequence[int] = (),
         max_len: int | None = None,
@@ -142,6 +141,8 @@ class AutoregressiveGenerator:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if max_new_tokens == 0:
             return GenerationResult([[] for _ in prompts], ["length"] * batch, 0.0, 0.0, 0)
+        if sampling is None:
+            sampling = SamplingConfig()  # greedy
         configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
         if len(configs) != batch:
             raise ValueError(f"got {len(configs)} sampling configs for {batch} prompts")

@@ -21,7 +21,7 @@ class KVCache(NamedTuple):
     lengths_B: jax.Array  # int32 [B]: committed tokens per row
 
     @classmethod
-    def create(cls, cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+    def create(cls, cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         if batch <= 0 or max_len <= 0:
             raise ValueError(f"KV cache needs batch > 0 and max_len > 0, got {batch}, {max_len}")
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -40,6 +40,6 @@ class KVCache(NamedTuple):
     def max_len(self) -> int:
         return self.keys[0].shape[1]
 
-    def rollback(self, lengths_B: jax.Array) -> "KVCache":
+    def rollback(self, lengths_B: jax.Array) -> KVCache:
         """Forget everything at or past ``lengths_B`` (never grows a row)."""
         return self._replace(lengths_B=jnp.minimum(self.lengths_B, lengths_B.astype(jnp.int32)))

@@ -133,7 +133,7 @@ class TargetModel:
     params: list
 
     @classmethod
-    def from_module(cls, module: Transformer) -> "TargetModel":
+    def from_module(cls, module: Transformer) -> TargetModel:
         graphdef, state = nnx.split(module)
         leaves, treedef = jax.tree.flatten(state)
         return cls(module.cfg, graphdef, treedef, leaves)

@@ -1,0 +1,144 @@
+"""Sampling transforms against a plain-numpy reference of HF's temperature -> top-k -> top-p."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import SamplingConfig
+from dspark_jax.sampling import (
+    SamplingParams,
+    filtered_logits,
+    probabilities,
+    request_keys,
+    sample,
+    step_keys,
+)
+
+
+def reference_probs(logits, temperature, top_k, top_p):
+    """HF's warpers, one row, in numpy."""
+    if temperature == 0:
+        out = np.zeros_like(logits)
+        out[np.argmax(logits)] = 1.0
+        return out
+    x = logits / temperature
+    if top_k > 0:
+        kth = np.sort(x)[::-1][min(top_k, len(x)) - 1]
+        x = np.where(x < kth, -np.inf, x)
+    if top_p < 1.0:
+        order = np.argsort(-x, kind="stable")
+        p = np.exp(x[order] - x[order][0])
+        p /= p.sum()
+        before = np.cumsum(p) - p
+        remove = order[before >= top_p]
+        x = x.copy()
+        x[remove] = -np.inf
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+CASES = [
+    SamplingConfig(),
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.7),
+    SamplingConfig(temperature=1.0, top_k=5),
+    SamplingConfig(temperature=0.7, top_p=0.8),
+    SamplingConfig(temperature=1.3, top_k=10, top_p=0.5),
+    SamplingConfig(temperature=1.0, top_k=1),
+    SamplingConfig(temperature=1.0, top_p=1e-6),
+]
+
+
+def test_probabilities_match_reference_per_row():
+    """Every row gets its own parameters; each row matches the reference."""
+    logits = np.random.default_rng(0).normal(size=(len(CASES), 50)).astype(np.float32) * 3
+    params = SamplingParams.from_configs(CASES)
+    got = np.asarray(probabilities(jnp.asarray(logits), params))
+    for row, c in enumerate(CASES):
+        ref = reference_probs(logits[row].astype(np.float64), c.temperature, c.top_k, c.top_p)
+        np.testing.assert_allclose(got[row], ref, atol=1e-6, err_msg=str(c))
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_argmax():
+    logits = jnp.asarray([[3.0, 2.0, 2.0, 1.0, 0.0]])
+    p = probabilities(logits, SamplingParams.broadcast(SamplingConfig(temperature=1.0, top_k=2), 1))
+    assert (np.asarray(p)[0] > 0).tolist() == [True, True, True, False, False]
+    p = probabilities(logits, SamplingParams.broadcast(SamplingConfig(temperature=1.0, top_p=0.01), 1))
+    np.testing.assert_allclose(np.asarray(p)[0], [1, 0, 0, 0, 0])
+
+
+def test_unfiltered_rows_skip_the_sort_and_agree():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 30)), jnp.float32)
+    plain = SamplingParams.broadcast(SamplingConfig(temperature=0.9), 2)
+    mixed = SamplingParams.from_configs([SamplingConfig(temperature=0.9), SamplingConfig(temperature=0.9, top_k=3)])
+    a = filtered_logits(logits, plain)
+    b = filtered_logits(logits, mixed)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_allclose(a[0], logits[0] / 0.9, rtol=1e-6)
+
+
+def test_greedy_sample_is_argmax():
+    logits = jnp.asarray(np.random.default_rng(2).normal(size=(4, 40)), jnp.float32)
+    tokens = sample(logits, SamplingParams.broadcast(SamplingConfig(), 4), request_keys(range(4)))
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
+
+
+def test_samples_follow_the_distribution():
+    """Empirical frequencies over many keys match `probabilities` (chi-square, small vocab)."""
+    config = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(1, 12)), jnp.float32)
+    n = 20000
+    params = SamplingParams.broadcast(config, n)
+    keys = jax.random.split(jax.random.PRNGKey(7), n)
+    draws = np.asarray(sample(jnp.repeat(logits, n, 0), params, keys))
+    probs = np.asarray(probabilities(logits, SamplingParams.broadcast(config, 1)))[0]
+    counts = np.bincount(draws, minlength=12)
+    assert counts[probs == 0].sum() == 0, "sampled a filtered-out token"
+    support = probs > 0
+    expected = n * probs[support]
+    chi2 = (((counts[support] - expected) ** 2) / expected).sum()
+    # 99.9% quantile of chi-square with <= 5 degrees of freedom is 20.5.
+    assert chi2 < 20.5, (chi2, counts, probs)
+
+
+def test_per_request_keys_do_not_depend_on_batch():
+    logits = jnp.asarray(np.random.default_rng(4).normal(size=(3, 100)), jnp.float32)
+    config = SamplingConfig(temperature=1.0)
+    keys = request_keys([11, 12, 13])
+    steps = jnp.asarray([5, 5, 5])
+    batched = sample(logits, SamplingParams.broadcast(config, 3), step_keys(keys, steps))
+    for row in range(3):
+        alone = sample(
+            logits[row : row + 1], SamplingParams.broadcast(config, 1), step_keys(keys[row : row + 1], steps[:1])
+        )
+        assert int(alone[0]) == int(batched[row])
+
+
+def test_sampling_jits_without_recompiling_for_new_values():
+    f = jax.jit(sample)
+    logits = jnp.zeros((2, 10))
+    keys = request_keys([0, 1])
+    f(logits, SamplingParams.broadcast(SamplingConfig(temperature=1.0), 2), keys)
+    before = f._cache_size()
+    f(logits, SamplingParams.from_configs([SamplingConfig(), SamplingConfig(temperature=2.0, top_k=3)]), keys)
+    assert f._cache_size() == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_configs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
+
+
+def test_sampling_params_need_requests():
+    with pytest.raises(ValueError, match="one SamplingConfig per request"):
+        SamplingParams.from_configs([])
