@@ -136,3 +136,134 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MARKOV_HEADS = ("none", "vanilla", "gated", "rnn")
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A drafter for one target (spec §1–§4, §8).
+
+    ``backbone`` holds the draft layers' dimensions: a copy of the target's config with its own
+    ``num_layers`` (every other hyper-parameter is the target's, as in DeepSpec). Loss fields
+    follow the reference code where paper and code disagree: position weights decay as
+    ``exp(-s / position_decay)`` with 4.0 (paper: ``exp(-(k-1)/γ)``), and the distribution term is
+    the L1 distance ``‖p_d − p_t‖₁`` (``tv_half=True`` gives the paper's ½‖·‖₁).
+    """
+
+    backbone: TargetConfig
+    tap_layers: tuple[int, ...]
+    mask_token_id: int
+    kind: str = "dspark"
+    block_size: int = 7  # γ: draft tokens proposed per round
+    markov_head: str = "vanilla"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    confidence_bias: bool = True
+    sliding_window: int | None = None  # context positions a block sees (None: all)
+    draft_vocab_size: int | None = None  # reduced LM head over the top-N target tokens
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    position_decay: float = 4.0
+    tv_half: bool = False
+    ttt_step_decay: float = 0.8  # EAGLE-3 training-time-test step weight
+
+    def __post_init__(self):
+        if isinstance(self.backbone, Mapping):
+            object.__setattr__(self, "backbone", TargetConfig.from_dict(self.backbone))
+        object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
+        if self.markov_head not in MARKOV_HEADS:
+            raise ValueError(f"markov_head must be one of {MARKOV_HEADS}, got {self.markov_head!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size (γ) must be >= 1, got {self.block_size}")
+        if self.markov_head != "none" and self.markov_rank < 1:
+            raise ValueError(f"markov_rank must be >= 1 for a {self.markov_head} head")
+        if self.confidence_head and self.confidence_with_markov and self.markov_head == "none":
+            raise ValueError("confidence_with_markov needs a Markov head (its W1 embedding)")
+        if not self.tap_layers:
+            raise ValueError("a drafter needs at least one tapped target layer")
+        if not 0 <= self.mask_token_id < self.backbone.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.backbone.vocab_size})"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.backbone.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size must be in (0, {self.backbone.vocab_size}], got {self.draft_vocab_size}"
+            )
+        for name in ("ce_weight", "tv_weight", "confidence_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.position_decay <= 0:
+            raise ValueError(f"position_decay must be > 0, got {self.position_decay}")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def context_size(self) -> int:
+        """Width of the concatenated tapped target features (m·d)."""
+        return len(self.tap_layers) * self.backbone.hidden_size
+
+    def check_target(self, target: TargetConfig) -> None:
+        """Refuse a target this drafter cannot serve, naming every mismatch."""
+        problems = []
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+            mine, theirs = getattr(self.backbone, name), getattr(target, name)
+            if mine != theirs:
+                problems.append(f"{name}: drafter {mine}, target {theirs}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary")
+        bad = [i for i in self.tap_layers if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"tap layers {bad} outside the target's layers 0..{target.num_layers - 1}")
+        if target.num_layers - 1 in self.tap_layers:
+            problems.append(
+                f"tap layer {target.num_layers - 1} is the target's final layer (its features are "
+                "not what the drafter was trained on; spec §1.2)"
+            )
+        if list(self.tap_layers) != sorted(set(self.tap_layers)):
+            problems.append(f"tap layers must be strictly ascending, got {list(self.tap_layers)}")
+        if problems:
+            raise ValueError("drafter does not fit the target: " + "; ".join(problems))
+
+    @classmethod
+    def for_target(cls, target: TargetConfig, *, num_layers: int, tap_layers, mask_token_id: int, **kw):
+        """A drafter whose layers copy the target's dimensions (DeepSpec's deep copy + overrides)."""
+        backbone = dataclasses.replace(target, num_layers=num_layers)
+        cfg = cls(backbone=backbone, tap_layers=tuple(tap_layers), mask_token_id=mask_token_id, **kw)
+        cfg.check_target(target)
+        return cfg
+
+    @classmethod
+    def dflash(cls, target: TargetConfig, **kw):
+        """DFlash as DeepSpec runs it: same backbone, no sequential/confidence head, CE only."""
+        defaults = dict(kind="dflash", markov_head="none", confidence_head=False, confidence_with_markov=False,
+                        ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
+        return cls.for_target(target, **{**defaults, **kw})
+
+    @classmethod
+    def eagle3(cls, target: TargetConfig, **kw):
+        """The EAGLE-3-style autoregressive baseline: one layer, γ training-time-test steps."""
+        defaults = dict(kind="eagle3", num_layers=1, markov_head="none", confidence_head=False,
+                        confidence_with_markov=False, ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
+        return cls.for_target(target, **{**defaults, **kw})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DrafterConfig":
+        return _from_mapping(cls, values, "DrafterConfig")

@@ -1,0 +1,149 @@
+"""EAGLE-3-style autoregressive drafter, the baseline DSpark is compared with (spec §8.2).
+
+One decoder layer whose attention input is ``[RMSNorm(e_{t+1}) ; RMSNorm(g_t)]`` (2d wide) and
+whose residual stream is ``g_t``: the projected target feature ``fc · F_t`` (no norm) at step 0,
+the layer's own previous output at later steps. Position ``t`` pairs the feature of ``t`` with
+the embedding of token ``x_{t+1}`` and predicts the target's distribution over ``x_{t+2}``.
+
+Training unrolls γ "training-time test" steps in one pass per step: at step k a query at index
+t sees the step-0 keys at positions ``<= t`` and its own keys from steps 1..k (the SpecForge
+TTT mask), with RoPE positions offset by k. Inference runs the same layer causally over a
+KV cache: the committed (feature, next-token) pairs, then one proposal step per draft token.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.models.kv_cache import KVCache
+from dspark_jax.models.layers import (
+    MASK_VALUE,
+    Linear,
+    RMSNorm,
+    SwiGLU,
+    apply_rope,
+    cached_attention,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+    write_cache,
+)
+
+
+class Eagle3Drafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        b = cfg.backbone
+        if b.num_layers != 1:
+            raise ValueError(f"the EAGLE-3 drafter has exactly one layer, config asks for {b.num_layers}")
+        self.cfg = cfg
+        d = b.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
+        self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype)
+        self.embed_norm = RMSNorm(d, b.rms_norm_eps, dtype)
+        self.hidden_norm = RMSNorm(d, b.rms_norm_eps, dtype)
+        self.qkv = Linear(2 * d, (b.num_heads + 2 * b.num_kv_heads) * b.head_dim, rngs=rngs, dtype=dtype)
+        self.o = Linear(b.num_heads * b.head_dim, d, rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
+        self.k_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
+        self.post_attn_norm = RMSNorm(d, b.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(d, b.intermediate_size, rngs=rngs, dtype=dtype)
+        self.final_norm = RMSNorm(d, b.rms_norm_eps, dtype)
+
+    # ---------------------------------------------------------------------------------------
+    # shared pieces
+
+    def _rope(self, positions):
+        b = self.cfg.backbone
+        return rope_cos_sin(positions, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
+
+    def _qkv(self, g_BxTxD, e_BxTxD, positions_BxT):
+        batch, steps, _ = g_BxTxD.shape
+        x = jnp.concatenate([self.embed_norm(e_BxTxD), self.hidden_norm(g_BxTxD)], axis=-1)
+        qkv = self.qkv(x).reshape(batch, steps, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q = qkv[:, :, : self.num_heads]
+        k = qkv[:, :, self.num_heads : self.num_heads + self.num_kv_heads]
+        v = qkv[:, :, self.num_heads + self.num_kv_heads :]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self._rope(positions_BxT)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish(self, g_BxTxD, attn_BxTxHxD):
+        batch, steps = attn_BxTxHxD.shape[:2]
+        x = g_BxTxD + self.o(attn_BxTxHxD.reshape(batch, steps, -1))
+        return x + self.mlp(self.post_attn_norm(x))
+
+    def project_features(self, features_BxTxF):
+        return self.fc(features_BxTxF)
+
+    def logits(self, hidden_BxTxD, lm_head_VxD):
+        """Full-vocabulary logits through the frozen target head (trainable final norm)."""
+        head = jax.lax.stop_gradient(lm_head_VxD)
+        return jnp.einsum("...d,vd->...v", self.final_norm(hidden_BxTxD), head).astype(jnp.float32)
+
+    # ---------------------------------------------------------------------------------------
+    # training: γ TTT steps
+
+    def forward_train(self, embed_VxD, features_BxSxF, tokens_BxS, steps: int | None = None):
+        """Output hidden states ``[K, B, S, d]`` of the K training-time-test steps.
+
+        At step k, index t holds the embedding of ``tokens[t + 1 + k]`` (the token after the one
+        step k-1 predicted; zero past the end) at RoPE position ``t + k``; the output predicts the
+        target distribution over ``tokens[t + 2 + k]``.
+        """
+        steps = self.cfg.block_size if steps is None else steps
+        batch, seq = tokens_BxS.shape
+        embed = jax.lax.stop_gradient(embed_VxD)
+        g = self.project_features(features_BxSxF)
+        positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+        causal_SxS = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]
+        groups = self.num_heads // self.num_kv_heads
+        outputs, diag_keys, diag_values = [], [], []
+        for k in range(steps):
+            shifted = jnp.concatenate(
+                [tokens_BxS[:, k + 1 :], jnp.zeros((batch, k + 1), tokens_BxS.dtype)], axis=1
+            )
+            q, key, value = self._qkv(g, jnp.take(embed, shifted, axis=0), positions + k)
+            if k == 0:
+                base_k, base_v = key, value
+            else:
+                diag_keys.append(key)
+                diag_values.append(value)
+            qg = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
+            scale = self.head_dim**-0.5
+            base = jnp.einsum("btkgd,bskd->btkgs", qg, base_k).astype(jnp.float32) * scale
+            base = jnp.where(causal_SxS[None, :, None, None, :], base, MASK_VALUE)
+            # Own keys of steps 1..k: one extra score per step, at the same index t.
+            diag = [jnp.einsum("btkgd,btkd->btkg", qg, dk).astype(jnp.float32)[..., None] * scale for dk in diag_keys]
+            probs = jax.nn.softmax(jnp.concatenate([base, *diag], axis=-1), axis=-1)
+            out = jnp.einsum("btkgs,bskd->btkgd", probs[..., :seq], base_v)
+            for j, dv in enumerate(diag_values):
+                out = out + probs[..., seq + j, None] * dv[:, :, :, None, :]
+            g = self._finish(g, out.reshape(batch, seq, self.num_heads, self.head_dim))
+            outputs.append(g)
+        return jnp.stack(outputs)
+
+    # ---------------------------------------------------------------------------------------
+    # inference: causal over a KV cache
+
+    def new_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache((jnp.zeros(shape, dtype),), (jnp.zeros(shape, dtype),), jnp.zeros((batch,), jnp.int32))
+
+    def forward_cached(self, g_BxTxD, next_tokens_BxT, embed_VxD, cache: KVCache, n_new_B=None):
+        """Run (hidden, next-token) pairs causally after the cache: ``(hidden [B, T, d], cache)``.
+
+        For committed context, ``g`` is ``project_features(F_t)``; for a proposal step it is the
+        previous step's output hidden.
+        """
+        batch, steps, _ = g_BxTxD.shape
+        positions = cache.lengths_B[:, None] + jnp.arange(steps, dtype=jnp.int32)
+        e = jnp.take(jax.lax.stop_gradient(embed_VxD), next_tokens_BxT, axis=0)
+        q, k, v = self._qkv(g_BxTxD, e, positions)
+        keys = write_cache(cache.keys[0], k, positions)
+        values = write_cache(cache.values[0], v, positions)
+        hidden = self._finish(g_BxTxD, cached_attention(q, keys, values, positions))
+        n_new_B = jnp.full((batch,), steps, jnp.int32) if n_new_B is None else n_new_B
+        return hidden, KVCache((keys,), (values,), cache.lengths_B + n_new_B.astype(jnp.int32))
