@@ -265,5 +265,5 @@ class DrafterConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, values: Mapping[str, Any]) -> DrafterConfig:
         return _from_mapping(cls, values, "DrafterConfig")

@@ -1,7 +1,6 @@
 """EAGLE-3 baseline: the TTT training pass equals step-by-step cached inference (spec §8.2)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
