@@ -26,6 +26,7 @@ from dspark_jax.models.layers import (
     SwiGLU,
     apply_rope,
     cached_attention,
+    project,
     rope_cos_sin,
     rope_inverse_frequencies,
     write_cache,
@@ -81,7 +82,7 @@ class Eagle3Drafter(nnx.Module):
     def logits(self, hidden_BxTxD, lm_head_VxD):
         """Full-vocabulary logits through the frozen target head (trainable final norm)."""
         head = jax.lax.stop_gradient(lm_head_VxD)
-        return jnp.einsum("...d,vd->...v", self.final_norm(hidden_BxTxD), head).astype(jnp.float32)
+        return project(self.final_norm(hidden_BxTxD), head).astype(jnp.float32)
 
     # ---------------------------------------------------------------------------------------
     # training: γ TTT steps

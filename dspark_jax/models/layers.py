@@ -21,6 +21,24 @@ from dspark_jax.config import RopeScaling
 MASK_VALUE = -1e30
 
 
+# Row counts (batch x new tokens) for which XLA:CPU gets a skinny product faster as a broadcast
+# multiply + sum than as a dot: jaxlib 0.10 lowers M >= 2 dots to a YNNPACK dot that is slow for
+# thin matrices, while the multiply-reduce becomes a YNNPACK reduce fusion that streams each
+# weight row once (T(8)/T(1) of the SmolLM2 forward: 2.05 -> 1.53; docs/BENCHMARKS.md). M = 1
+# stays a dot (the reduce form is pathological there), as do prefills and all non-CPU backends.
+SKINNY_ROWS = (2, 64)
+
+
+def project(x: jax.Array, weight_NxK: jax.Array) -> jax.Array:
+    """``x @ weight.T`` for ``[out, in]`` weights, in the fastest form for this backend and shape."""
+    rows = math.prod(x.shape[:-1])
+    if jax.default_backend() == "cpu" and SKINNY_ROWS[0] <= rows <= SKINNY_ROWS[1]:
+        flat = x.reshape(rows, x.shape[-1])
+        out = (weight_NxK[None, :, :] * flat[:, None, :]).sum(-1)
+        return out.reshape(*x.shape[:-1], weight_NxK.shape[0])
+    return jnp.einsum("...k,nk->...n", x, weight_NxK)
+
+
 class Linear(nnx.Module):
     """A bias-free projection with ``[out, in]`` weights."""
 
@@ -31,7 +49,7 @@ class Linear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...k,nk->...n", x, self.weight[...])
+        return project(x, self.weight[...])
 
 
 class RMSNorm(nnx.Module):

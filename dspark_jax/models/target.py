@@ -27,6 +27,7 @@ from dspark_jax.models.layers import (
     Linear,
     RMSNorm,
     SwiGLU,
+    project,
     rope_cos_sin,
     rope_inverse_frequencies,
 )
@@ -110,7 +111,7 @@ class Transformer(nnx.Module):
         if logits_at_B is not None:
             x = x[jnp.arange(batch), logits_at_B]
         head = self.embed if self.lm_head is None else self.lm_head.weight
-        logits = jnp.einsum("...d,vd->...v", x, head[...]).astype(jnp.float32)
+        logits = project(x, head[...]).astype(jnp.float32)
 
         if n_new_B is None:
             n_new_B = jnp.full((batch,), steps, jnp.int32)

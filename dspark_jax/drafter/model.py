@@ -1,0 +1,125 @@
+"""The DSpark / DFlash drafter: backbone + LM head + sequential head + confidence head.
+
+The target's embedding and LM head are *arguments*, never drafter parameters: they are frozen
+and shared (spec §1.1), so a drafter checkpoint does not carry them and gradients cannot reach
+them. An optional reduced LM head over the top-N target tokens (EAGLE-3 / speculators style)
+replaces the full head; it is trainable, initialised from the target head's rows, and its draft
+index ``i`` means target token ``d2t[i]``. Tokens outside it get probability 0 under the draft
+distribution, which verification handles like any other zero of ``q``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig
+from dspark_jax.drafter.backbone import Backbone, ContextCache
+from dspark_jax.drafter.heads import (
+    DraftBlock,
+    make_confidence_head,
+    make_markov_head,
+    sample_block,
+)
+from dspark_jax.models.layers import Linear, project
+from dspark_jax.sampling import SamplingParams
+
+
+class DraftVocab(nnx.Variable):
+    """The reduced head's draft-index -> target-id map (data, not a trainable parameter)."""
+
+
+def select_draft_vocab(token_counts_V: np.ndarray, size: int) -> np.ndarray:
+    """The ``size`` most frequent target tokens, ascending by id (ties broken by lower id)."""
+    counts = np.asarray(token_counts_V)
+    if not 0 < size <= counts.shape[0]:
+        raise ValueError(f"draft vocabulary size must be in (0, {counts.shape[0]}], got {size}")
+    order = np.lexsort((np.arange(counts.shape[0]), -counts))
+    return np.sort(order[:size]).astype(np.int32)
+
+
+class Drafter(nnx.Module):
+    def __init__(
+        self,
+        cfg: DrafterConfig,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        draft_vocab_ids: np.ndarray | None = None,
+    ):
+        if cfg.kind == "eagle3":
+            raise ValueError("an eagle3 config builds an Eagle3Drafter (dspark_jax.drafter.eagle3)")
+        self.cfg = cfg
+        self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype)
+        self.markov = make_markov_head(cfg, rngs, dtype)
+        self.confidence = make_confidence_head(cfg, rngs, dtype)
+        if cfg.draft_vocab_size is None:
+            if draft_vocab_ids is not None:
+                raise ValueError("draft_vocab_ids given but the config has no draft_vocab_size")
+            self.d2t, self.draft_head = None, None
+        else:
+            ids = np.asarray(draft_vocab_ids if draft_vocab_ids is not None else [], np.int64)
+            if ids.shape != (cfg.draft_vocab_size,):
+                raise ValueError(
+                    f"a reduced head needs draft_vocab_ids of shape ({cfg.draft_vocab_size},), got {ids.shape}"
+                )
+            if len(np.unique(ids)) != ids.size or ids.min() < 0 or ids.max() >= cfg.vocab_size:
+                raise ValueError(f"draft_vocab_ids must be distinct target ids in [0, {cfg.vocab_size})")
+            self.d2t = DraftVocab(jnp.asarray(ids, jnp.int32))
+            self.draft_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, rngs=rngs, dtype=dtype)
+
+    def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
+        """Start the reduced head from the target head's rows for the draft tokens."""
+        if self.draft_head is None:
+            raise ValueError("this drafter has no reduced head")
+        self.draft_head.weight[...] = jnp.asarray(lm_head_VxD)[self.d2t[...]].astype(self.draft_head.weight.dtype)
+
+    @property
+    def d2t_N(self) -> jax.Array | None:
+        return None if self.d2t is None else self.d2t[...]
+
+    def base_logits(self, h_xd: jax.Array, lm_head_VxD: jax.Array) -> jax.Array:
+        """``U = head(h)`` over the draft vocabulary (the full target vocab without a reduced head)."""
+        if self.draft_head is not None:
+            return self.draft_head(h_xd).astype(jnp.float32)
+        return project(h_xd, jax.lax.stop_gradient(lm_head_VxD)).astype(jnp.float32)
+
+    def _w1(self):
+        return self.markov.w1[...] if self.markov is not None and self.cfg.confidence_with_markov else None
+
+    def teacher_forced(self, h_xGxd, lm_head_VxD, prev_tokens_xG):
+        """Training outputs for blocks with known previous tokens ``[anchor, x*_1..x*_{γ−1}]``:
+        Markov-corrected logits ``[..., γ, N]`` and confidence logits ``[..., γ]`` (or None)."""
+        logits = self.base_logits(h_xGxd, lm_head_VxD)
+        if self.markov is not None:
+            logits = logits + self.markov.block_bias(h_xGxd, prev_tokens_xG).astype(jnp.float32)
+        confidence = None
+        if self.confidence is not None:
+            confidence = self.confidence(h_xGxd, prev_tokens_xG, self._w1())
+        return logits, confidence
+
+    def propose(
+        self,
+        embed_VxD: jax.Array,
+        lm_head_VxD: jax.Array,
+        cache: ContextCache,
+        anchor_B: jax.Array,
+        params: SamplingParams,
+        keys_BxG: jax.Array,
+    ) -> tuple[DraftBlock, jax.Array | None]:
+        """One round's proposal after ``cache``: the sampled block and per-slot confidence logits."""
+        h = self.backbone.forward_block(embed_VxD, cache, anchor_B)
+        block = sample_block(
+            self.markov, self.base_logits(h, lm_head_VxD), h, anchor_B, params, keys_BxG,
+            d2t_N=self.d2t_N, vocab_size=self.cfg.vocab_size,
+        )
+        confidence = None
+        if self.confidence is not None:
+            confidence = self.confidence(h, block.prev_tokens_BxG, self._w1())
+        return block, confidence
+
+    @property
+    def num_params(self) -> int:
+        return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))

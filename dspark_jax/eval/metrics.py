@@ -1,0 +1,64 @@
+"""Analytic speculative-decoding metrics (spec §4.7, §6.6).
+
+For one drafted token, speculative (rejection) sampling accepts with probability
+``Σ_v min(p_d(v), p_t(v)) = 1 − TV(p_d, p_t)``, where ``TV = ½‖p_d − p_t‖₁`` is the total
+variation distance. For a chain of γ drafts with conditional acceptance probabilities
+``a_1 … a_γ`` (position k accepted given that 1 … k−1 were), the expected number of tokens a
+round commits, counting the target's bonus token, is
+
+    E[τ] = 1 + Σ_{k=1}^{γ} Π_{i≤k} a_i,        so 1 ≤ E[τ] ≤ γ + 1.
+
+DeepSpec logs this with ``a = c*`` (the confidence soft label) as ``tau_probabilistic``.
+
+Shapes: ``...`` are any leading (batch / block) axes; ``G`` is the slot axis (γ), always last.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def acceptance_probability(p_d: jnp.ndarray, p_t: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
+    """``Σ_v min(p_d, p_t)``: the probability that speculative sampling accepts one draft token."""
+    return jnp.sum(jnp.minimum(p_d, p_t), axis=axis)
+
+
+def total_variation(p_d: jnp.ndarray, p_t: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
+    """``TV(p_d, p_t) = ½‖p_d − p_t‖₁`` (the half-L1 distance, in [0, 1])."""
+    return 0.5 * jnp.sum(jnp.abs(p_d - p_t), axis=axis)
+
+
+def _masked_block_mean(values: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
+    """Mean of per-block ``values`` over blocks where ``valid``; 0 (not NaN) when none are."""
+    valid = jnp.broadcast_to(valid, values.shape).astype(values.dtype)
+    count = jnp.sum(valid)
+    total = jnp.sum(values * valid)
+    return jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), 0.0)
+
+
+def expected_tau(accept_probs: jnp.ndarray, valid: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Expected accepted length per round, bonus included: ``1 + Σ_k Π_{i≤k} a_i``.
+
+    ``accept_probs`` is ``...xG``: conditional per-slot acceptance probabilities. To stop a
+    block at its last supervised slot, multiply ``a`` by the slot mask first (a 0 ends the chain).
+
+    With ``valid=None`` returns the per-block value (shape ``...``). With a block mask ``valid``
+    (shape ``...`` or broadcastable to it) returns the scalar mean over valid blocks (0 if none).
+    """
+    a = jnp.asarray(accept_probs)
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.float32)
+    tau = 1.0 + jnp.sum(jnp.cumprod(a, axis=-1), axis=-1)
+    if valid is None:
+        return tau
+    return _masked_block_mean(tau, valid)
+
+
+def expected_tau_from_tv(tv: jnp.ndarray, valid: jnp.ndarray | None = None) -> jnp.ndarray:
+    """:func:`expected_tau` with ``a_i = 1 − TV_i``; ``tv`` is the HALF-L1 total variation.
+
+    (Pass ``0.5 × L1`` if you hold the training "TV" term, which is the full L1 by default.)
+    ``a`` is clipped to [0, 1] so rounding cannot push τ outside [1, γ+1].
+    """
+    a = jnp.clip(1.0 - jnp.asarray(tv, dtype=jnp.result_type(tv, jnp.float32)), 0.0, 1.0)
+    return expected_tau(a, valid)

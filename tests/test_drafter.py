@@ -1,0 +1,206 @@
+"""The assembled DSpark / DFlash drafter: construction, validation, objective, proposal."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig, SamplingConfig
+from dspark_jax.drafter.backbone import ContextCache
+from dspark_jax.drafter.model import Drafter, select_draft_vocab
+from dspark_jax.sampling import SamplingParams, request_keys
+from dspark_jax.training.losses import TrainBatch, drafter_loss
+from tests.tiny import tiny_config
+
+TARGET = tiny_config(num_layers=4)
+GAMMA, SEQ, ANCHORS = 4, 16, 4
+DRAFT_IDS = np.arange(0, 97, 2)  # 49 even token ids
+
+
+def make(kind="dspark", reduced=False, seed=0, **kw):
+    if reduced:
+        kw["draft_vocab_size"] = len(DRAFT_IDS)
+    base = dict(num_layers=1, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA, markov_rank=8)
+    if kind == "dflash":
+        base.pop("markov_rank")
+        cfg = DrafterConfig.dflash(TARGET, **base, **kw)
+    else:
+        cfg = DrafterConfig.for_target(TARGET, **base, **kw)
+    drafter = Drafter(cfg, rngs=nnx.Rngs(seed), draft_vocab_ids=DRAFT_IDS if reduced else None)
+    return cfg, drafter
+
+
+def head():
+    return jax.random.normal(jax.random.PRNGKey(9), (TARGET.vocab_size, TARGET.hidden_size))
+
+
+def batch(cfg, keep=(True, True, True, False)):
+    keys = jax.random.split(jax.random.PRNGKey(4), 4)
+    ids = jax.random.randint(keys[0], (2, SEQ), 0, cfg.vocab_size)
+    return TrainBatch(
+        input_ids_BxS=ids,
+        loss_mask_BxS=jnp.ones((2, SEQ), jnp.int32).at[:, :3].set(0),
+        features_BxSxF=jax.random.normal(keys[1], (2, SEQ, cfg.context_size)),
+        target_hidden_BxSxD=jax.random.normal(keys[2], (2, SEQ, cfg.hidden_size)),
+        anchors_BxA=jnp.asarray([[2, 5, 9, 0], [3, 4, 13, 0]], jnp.int32),
+        keep_BxA=jnp.asarray([keep, keep]),
+    )
+
+
+def loss_and_grads(drafter, embed, data, chunk_size=2):
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+
+    def f(params, embed, lm_head):
+        model = nnx.merge(graphdef, params, rest)
+        return drafter_loss(model, embed, lm_head, data, chunk_size=chunk_size)
+
+    (loss, metrics), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(params, embed, embed)
+    return loss, metrics, grads
+
+
+@pytest.mark.parametrize("kind, reduced, markov", [
+    ("dspark", False, "vanilla"), ("dspark", True, "vanilla"), ("dspark", False, "rnn"),
+    ("dspark", False, "gated"), ("dflash", False, "none"),
+])
+def test_gradients_reach_every_drafter_parameter_but_not_the_frozen_head(kind, reduced, markov):
+    kw = {} if kind == "dflash" else {"markov_head": markov}
+    cfg, drafter = make(kind, reduced, **kw)
+    embed = head()
+    if reduced:
+        drafter.init_draft_head(embed)
+    loss, metrics, (g_params, g_embed, g_head) = loss_and_grads(drafter, embed, batch(cfg))
+    assert np.isfinite(float(loss)) and float(loss) > 0
+    for path, g in jax.tree_util.tree_flatten_with_path(g_params)[0]:
+        assert np.isfinite(np.asarray(g)).all(), path
+        assert np.abs(np.asarray(g)).max() > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+    np.testing.assert_array_equal(g_embed, 0.0)
+    np.testing.assert_array_equal(g_head, 0.0)
+    if kind == "dflash":
+        assert float(metrics["tv"]) > 0 and cfg.tv_weight == 0.0 and cfg.confidence_weight == 0.0
+        np.testing.assert_allclose(loss, metrics["ce"], rtol=1e-6)
+
+
+def test_padding_only_batch_has_no_nan():
+    cfg, drafter = make()
+    loss, metrics, (g_params, *_) = loss_and_grads(drafter, head(), batch(cfg, keep=(False,) * 4))
+    assert float(loss) == 0.0
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(g_params))
+
+
+def test_chunk_size_does_not_change_the_loss():
+    cfg, drafter = make()
+    data = batch(cfg)
+    a = loss_and_grads(drafter, head(), data, chunk_size=1)
+    b = loss_and_grads(drafter, head(), data, chunk_size=4)
+    np.testing.assert_allclose(a[0], b[0], rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(a[2][0]), jax.tree.leaves(b[2][0])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
+
+
+def test_loss_matches_a_direct_unchunked_computation():
+    """The objective's pieces line up: labels at a+s+1, target logits from hidden at a+s."""
+    cfg, drafter = make()
+    embed = head()
+    data = batch(cfg, keep=(True, True, True, True))
+    loss, metrics, _ = loss_and_grads(drafter, embed, data)
+    anchors = np.asarray(data.anchors_BxA)
+    ids = np.asarray(data.input_ids_BxS)
+    anchor_tok = np.take_along_axis(ids, anchors, 1)
+    h = drafter.backbone.forward_train(embed, data.features_BxSxF, data.anchors_BxA, jnp.asarray(anchor_tok), data.keep_BxA)
+    num = den = 0.0
+    w = np.exp(-np.arange(GAMMA) / cfg.position_decay)
+    for b in range(2):
+        for a in range(ANCHORS):
+            prev = [anchor_tok[b, a]]
+            for s in range(GAMMA):
+                j = anchors[b, a] + s + 1
+                if j >= SEQ or not data.loss_mask_BxS[b, j]:
+                    break
+                logits, _ = drafter.teacher_forced(h[b, a, s][None], embed, jnp.asarray(prev[-1:]))
+                logits = np.asarray(logits[0], np.float64)
+                logz = np.log(np.exp(logits - logits.max()).sum()) + logits.max()
+                num += w[s] * (logz - logits[ids[b, j]])
+                den += w[s]
+                prev.append(ids[b, j])
+    np.testing.assert_allclose(metrics["ce"], num / den, rtol=1e-4)
+
+
+def test_proposal_shapes_and_distribution():
+    cfg, drafter = make(reduced=True)
+    embed = head()
+    drafter.init_draft_head(embed)
+    cache = drafter.backbone.extend_context(
+        ContextCache.create(cfg, 2, 32), jax.random.normal(jax.random.PRNGKey(1), (2, 6, cfg.context_size)),
+        jnp.asarray([6, 4]),
+    )
+    params = SamplingParams.from_configs([SamplingConfig(), SamplingConfig(temperature=1.0, top_p=0.9)])
+    keys = jax.vmap(lambda k: jax.random.split(k, GAMMA))(request_keys([1, 2]))
+    block, confidence = drafter.propose(embed, embed, cache, jnp.asarray([3, 8]), params, keys)
+    assert block.tokens_BxG.shape == (2, GAMMA) and confidence.shape == (2, GAMMA)
+    q = np.asarray(block.q_BxGxV)
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+    outside = np.setdiff1d(np.arange(cfg.vocab_size), DRAFT_IDS)
+    assert (q[..., outside] == 0).all()
+    assert np.isin(np.asarray(block.tokens_BxG), DRAFT_IDS).all()
+    tokens = np.asarray(block.tokens_BxG)
+    assert (np.take_along_axis(q, tokens[..., None], -1) > 0).all()
+
+
+def test_reduced_head_starts_from_the_target_rows():
+    cfg, drafter = make(reduced=True)
+    embed = head()
+    drafter.init_draft_head(embed)
+    np.testing.assert_array_equal(drafter.draft_head.weight[...], np.asarray(embed)[DRAFT_IDS])
+    with pytest.raises(ValueError, match="distinct target ids"):
+        Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.zeros(len(DRAFT_IDS), int))
+    with pytest.raises(ValueError, match="draft_vocab_ids of shape"):
+        Drafter(cfg, rngs=nnx.Rngs(0))
+
+
+def test_select_draft_vocab():
+    counts = np.array([5, 0, 9, 9, 1, 7])
+    np.testing.assert_array_equal(select_draft_vocab(counts, 3), [2, 3, 5])
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        select_draft_vocab(counts, 7)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(hidden_size=64), "hidden_size: drafter 48, target 64"),
+        (dict(vocab_size=90), "vocab_size: drafter 97, target 90"),
+        (dict(num_layers=3), "tap layer 2 is the target's final layer"),
+        (dict(num_layers=2), "tap layers \\[2\\] outside"),
+    ],
+)
+def test_drafter_that_does_not_fit_its_target_is_refused(change, match):
+    cfg, _ = make()
+    with pytest.raises(ValueError, match=match):
+        cfg.check_target(dataclasses.replace(TARGET, **change))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="mask_token_id 97"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=97)
+    with pytest.raises(ValueError, match="final layer"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0, 3), mask_token_id=5)
+    with pytest.raises(ValueError, match="confidence_with_markov needs a Markov head"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, markov_head="none")
+    with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
+        DrafterConfig.from_dict({**make()[0].to_dict(), "gamma": 7})
+    cfg, _ = make()
+    assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_drafter_for_the_embedded_target(embedded_target):
+    target, tokenizer = embedded_target
+    cfg = DrafterConfig.for_target(
+        target.cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28), mask_token_id=tokenizer.unk_token_id,
+        draft_vocab_size=8192,
+    )
+    drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(8192))
+    # 1 layer (≈3.5M) + fc (5·576·576) + Markov W1 (49152·256) + W2 (256·8192) + reduced head + confidence
+    assert 20e6 < drafter.num_params < 25e6
