@@ -31,11 +31,9 @@ Timings on a shared machine are noisy: the JSON records the load average before 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,6 +42,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 from tqdm import tqdm
+
+from dspark_jax.eval.bench import machine_info, stats_ms, timed
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -58,46 +58,9 @@ CHAT_PROMPTS = (
 CACHE_SLACK = 32  # cache slots beyond the context: room for the T <= 16 new tokens
 
 
-def machine_info() -> dict:
-    import flax
-
-    cpu_model = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "jax": jax.__version__,
-        "jaxlib": importlib.metadata.version("jaxlib"),
-        "flax": flax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "cpu_model": cpu_model,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    }
-
-
-def stats_ms(times_s: list[float]) -> dict:
-    ms = [t * 1e3 for t in times_s]
-    return {"min_ms": min(ms), "median_ms": statistics.median(ms), "n": len(ms)}
-
-
 def fresh(lengths_B):
     """A new lengths buffer per call: the whole cache, lengths included, is donated."""
     return jnp.array(lengths_B, copy=True)
-
-
-def timed(fn, *args):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start, out
 
 
 # --------------------------------------------------------------------------------------------

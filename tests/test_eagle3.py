@@ -1,6 +1,7 @@
 """EAGLE-3 baseline: the TTT training pass equals step-by-step cached inference (spec §8.2)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -56,3 +57,38 @@ def test_step_k_does_not_see_later_positions(setup):
     moved = model.forward_train(embed, feats.at[:, 6:].add(3.0), tokens)
     np.testing.assert_array_equal(moved[:, :, :6], hidden[:, :, :6])
     assert np.abs(moved[:, :, 6:] - hidden[:, :, 6:]).max() > 1e-3
+
+
+def test_ttt_loss_gradients_and_value(setup):
+    from dspark_jax.training.losses import TrainBatch, eagle3_loss
+
+    cfg, model, embed, feats, tokens, hidden = setup
+    loss_mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
+    target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
+    data = TrainBatch(tokens, loss_mask, feats, target_hidden, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))
+    graphdef, params = nnx.split(model)
+
+    def f(params, embed, head):
+        return eagle3_loss(nnx.merge(graphdef, params), embed, head, data)
+
+    (loss, metrics), (g_params, g_embed, g_head) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+        params, embed, embed
+    )
+    for path, g in jax.tree_util.tree_flatten_with_path(g_params)[0]:
+        assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(g_embed, 0.0)
+    np.testing.assert_array_equal(g_head, 0.0)
+    # Step 1 by hand: index t predicts token t+3 against softmax(head(target_hidden[t+2])).
+    logits = np.asarray(model.logits(hidden[1], embed))[0].astype(np.float64)
+    target = np.asarray(target_hidden[0] @ embed.T, np.float64)
+    total = 0.0
+    for t in range(SEQ):
+        if t + 3 < SEQ and loss_mask[0, t + 3]:
+            p = np.exp(target[t + 2] - target[t + 2].max())
+            p /= p.sum()
+            log_q = logits[t] - logits[t].max()
+            log_q -= np.log(np.exp(log_q).sum())
+            total -= (p * log_q).sum()
+    np.testing.assert_allclose(metrics["step_loss"][1], total / SEQ, rtol=1e-4)
+    weights = cfg.ttt_step_decay ** np.arange(STEPS)
+    np.testing.assert_allclose(loss, (weights * np.asarray(metrics["step_loss"])).sum(), rtol=1e-5)

@@ -368,3 +368,51 @@ def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_si
     )
     return combine(parts, cfg)
 
+
+
+def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
+    """``(loss, metrics)`` of the EAGLE-3 baseline: training-time test over γ steps (spec §8.2).
+
+    Step k at index t predicts token ``t + 2 + k`` and is scored by soft cross-entropy against the
+    target's full distribution there (``softmax(head(target_hidden[t + 1 + k]))``), supervised
+    where that token is a response token inside the sequence; each step is normalised by the
+    padded length ``B·S`` (as the reference does) and weighted ``ttt_step_decay ** k``. Each step
+    is rematerialised, so only one step's ``[B, S, V]`` logits are alive at a time.
+    """
+    cfg = drafter.cfg
+    batch_size, seq = batch.input_ids_BxS.shape
+    hidden = drafter.forward_train(embed_VxD, batch.features_BxSxF, batch.input_ids_BxS)
+    frozen_head = jax.lax.stop_gradient(lm_head_VxD)
+    positions = jnp.arange(seq)
+
+    @jax.checkpoint
+    def step_terms(hidden_BxSxD, k):
+        source = jnp.clip(positions + 1 + k, 0, seq - 1)
+        label = positions + 2 + k
+        valid = (label < seq) & (jnp.take(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0)
+        target = project(batch.target_hidden_BxSxD[:, source], frozen_head).astype(jnp.float32)
+        p_t = jax.nn.softmax(target, axis=-1)
+        log_q = jax.nn.log_softmax(drafter.logits(hidden_BxSxD, lm_head_VxD), axis=-1)
+        soft_ce = -(p_t * log_q).sum(-1)
+        accept = jnp.minimum(p_t, jnp.exp(log_q)).sum(-1)
+        return (
+            jnp.where(valid, soft_ce, 0.0).sum() / (batch_size * seq),
+            jnp.where(valid, accept, 0.0).sum(),
+            valid.sum(),
+        )
+
+    loss = 0.0
+    step_losses, accept_rates = [], []
+    for k in range(hidden.shape[0]):
+        step_loss, accept_sum, count = step_terms(hidden[k], k)
+        loss = loss + cfg.ttt_step_decay**k * step_loss
+        step_losses.append(step_loss)
+        accept_rates.append(_safe_div(accept_sum, count))
+    accept = jnp.stack(accept_rates)
+    metrics = {
+        "loss": loss,
+        "step_loss": jnp.stack(step_losses),
+        "accept_rate": accept,
+        "tau_probabilistic": expected_tau(accept),
+    }
+    return loss, metrics
