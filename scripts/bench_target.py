@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from dspark_jax.eval.bench import machine_info, stats_ms, timed
+from dspark_jax.models.layers import project
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -194,7 +195,7 @@ def _chain_matmul():
     def run(ws, x):
         d = x.shape[-1]
         for w in ws:
-            y = jnp.einsum("...k,nk->...n", x, w)
+            y = project(x, w)
             if y.shape[-1] >= d:
                 x = x + 1e-3 * y[..., :d]
             else:
@@ -252,7 +253,7 @@ def profile_parts(target, batch, steps_list, context, repeats, warmup, bar) -> d
 
     def lm_head(x, norm_w, embed):
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-        return jnp.einsum("...d,vd->...v", norm_w * normed, embed)
+        return project(norm_w * normed, embed)
 
     attention_jit = jax.jit(attention_all, donate_argnums=(3,))
     lm_head_jit = jax.jit(lm_head)

@@ -52,13 +52,6 @@ class LinearWithBias(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def _hf_linear(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype) -> Linear:
-    """The shared bias-free :class:`Linear`, re-initialised to HF's N(0, 0.02)."""
-    layer = Linear(in_features, out_features, rngs=rngs, dtype=dtype)
-    layer.weight[...] = _normal(rngs, (out_features, in_features), dtype)
-    return layer
-
-
 class MarkovHead(nnx.Module):
     """Vanilla, gated or RNN Markov head (``cfg.markov_head``), spec §2.1–§2.3.
 
@@ -78,7 +71,7 @@ class MarkovHead(nnx.Module):
         self.draft_vocab_size = cfg.draft_vocab_size or cfg.vocab_size
         d = cfg.hidden_size
         self.w1 = nnx.Param(_normal(rngs, (cfg.vocab_size, r), dtype))
-        self.w2 = _hf_linear(r, self.draft_vocab_size, rngs=rngs, dtype=dtype)
+        self.w2 = Linear(r, self.draft_vocab_size, rngs=rngs, dtype=dtype, init_std=INIT_STD)
         self.gate = LinearWithBias(d + r, r, rngs=rngs, dtype=dtype) if self.kind == "gated" else None
         self.joint = LinearWithBias(2 * r + d, 3 * r, rngs=rngs, dtype=dtype) if self.kind == "rnn" else None
 

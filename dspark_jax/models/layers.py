@@ -42,10 +42,19 @@ def project(x: jax.Array, weight_NxK: jax.Array) -> jax.Array:
 class Linear(nnx.Module):
     """A bias-free projection with ``[out, in]`` weights."""
 
-    def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        scale = 1.0 / math.sqrt(in_features)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        init_std: float | None = None,
+    ):
+        """Weights ~ N(0, init_std²); the default ``1/sqrt(in_features)`` keeps activations O(1)."""
+        std = 1.0 / math.sqrt(in_features) if init_std is None else init_std
         self.weight = nnx.Param(
-            (jax.random.normal(rngs.params(), (out_features, in_features)) * scale).astype(dtype)
+            (jax.random.normal(rngs.params(), (out_features, in_features)) * std).astype(dtype)
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
