@@ -1,0 +1,221 @@
+"""Speculative decoding end to end: greedy exactness and stochastic losslessness."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig, SamplingConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.speculative import (
+    FixedPolicy,
+    SpeculativeDecoder,
+    ThresholdPolicy,
+    parse_policy,
+)
+from dspark_jax.diagnostics import count_compilations
+from dspark_jax.drafter.model import Drafter
+from dspark_jax.models.target import TargetModel
+from tests.tiny import tiny_target
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "def fib(n):",
+]
+GAMMA = 7
+
+
+@pytest.fixture(scope="module")
+def real(embedded_target):
+    target, tokenizer = embedded_target
+    cfg = DrafterConfig.for_target(
+        target.cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28), mask_token_id=0,
+        block_size=GAMMA, draft_vocab_size=4096,
+    )
+    drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(4096))  # random: rejects
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
+    prompts = chat + [tokenizer.encode(QUESTIONS[3])]
+    reference = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=32, max_len=256)
+    return target, drafter, prompts, reference
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, GAMMA])
+def test_greedy_equals_target_only_with_a_random_drafter(real, k):
+    target, drafter, prompts, reference = real
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(k))
+    batched = decoder.generate(prompts, max_new_tokens=32, max_len=256)
+    assert batched.tokens == reference.tokens
+    alone = decoder.generate(prompts[2:3], max_new_tokens=32, max_len=256)
+    assert alone.tokens[0] == reference.tokens[2]
+    assert set(batched.verify_widths) <= {1, 2, 4, 8}
+    assert all((lengths == k).all() for lengths in batched.verify_lengths)
+
+
+class OracleDecoder(SpeculativeDecoder):
+    """Drafts the true greedy continuation (from a target-only run), so every draft is accepted.
+
+    Exercises the accept path: bonus tokens, multi-token commits of the target cache and the
+    drafter context.
+    """
+
+    def __init__(self, *args, continuation_BxN, prompt_lens, **kwargs):
+        super().__init__(*args, **kwargs)
+        draft = self._draft
+        truth = jnp.asarray(continuation_BxN)
+        lens = jnp.asarray(prompt_lens)
+
+        def oracle_draft(drafter_state, state, keys, sampling, active):
+            block, lengths = draft(drafter_state, state, keys, sampling, active)
+            done = state.target_cache.lengths_B - lens  # generated tokens already in the cache
+            index = jnp.clip(done[:, None] + 1 + jnp.arange(GAMMA), 0, truth.shape[1] - 1)
+            tokens = jnp.take_along_axis(truth, index, axis=1)
+            q = jax.nn.one_hot(tokens, block.q_BxGxV.shape[-1], dtype=jnp.float32)
+            return block._replace(tokens_BxG=tokens, q_BxGxV=q), lengths
+
+        self._draft = oracle_draft
+
+
+@pytest.mark.parametrize("k", [3, GAMMA])
+def test_greedy_equals_target_only_when_every_draft_is_accepted(real, k):
+    target, drafter, prompts, _ = real
+    reference = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=40, max_len=256)
+    truth = np.zeros((len(prompts), 48), np.int32)
+    for row, tokens in enumerate(reference.tokens):
+        truth[row, : len(tokens)] = tokens
+    decoder = OracleDecoder(
+        target, drafter, policy=FixedPolicy(k), continuation_BxN=truth, prompt_lens=[len(p) for p in prompts]
+    )
+    result = decoder.generate(prompts, max_new_tokens=32, max_len=256)
+    assert result.tokens == [t[:32] for t in reference.tokens]
+    assert result.tau == pytest.approx(k + 1, rel=0.15)  # all accepted, except where 32 cuts a round
+
+
+@dataclasses.dataclass(frozen=True)
+class ScrambledPolicy:
+    """Verify lengths that jump around from row to row and round to round (data, not shapes)."""
+
+    def lengths(self, confidence_BxG, gamma):
+        return jnp.abs(confidence_BxG[:, 0] * 1e4).astype(jnp.int32) % (gamma + 1)
+
+
+def test_no_recompilation_with_varying_verify_lengths(real):
+    """Lengths vary per row and per round; nothing compiles after warm-up."""
+    target, drafter, prompts, _ = real
+    decoder = SpeculativeDecoder(target, drafter, policy=ScrambledPolicy())
+    decoder.warmup(len(prompts), max(len(p) for p in prompts), 256)
+    decoder.warmup(1, len(prompts[2]), 256)
+    with count_compilations() as counter:
+        batched = decoder.generate(
+            [p[:-1] for p in prompts], max_new_tokens=12, max_len=256, stop_ids=[2],
+            sampling=[SamplingConfig(), SamplingConfig(temperature=0.8), SamplingConfig(), SamplingConfig(top_k=3, temperature=1.0)],
+            seeds=[1, 2, 3, 4],
+        )
+        single = decoder.generate(prompts[2:3], max_new_tokens=24, max_len=256, sampling=SamplingConfig(temperature=1.0), seeds=[5])
+    lengths = np.concatenate(batched.verify_lengths + single.verify_lengths)
+    assert len(set(lengths.tolist())) > 2, "verify lengths did not vary"
+    assert len(set(single.verify_widths)) > 1, "verify widths did not vary"
+    assert counter.count == 0
+
+
+def test_threshold_policy_truncates_at_the_first_unconfident_slot():
+    z = jnp.asarray([[2.0, 2.0, -2.0, 2.0], [-2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]])
+    np.testing.assert_array_equal(ThresholdPolicy(0.5).lengths(z, 4), [2, 0, 4])
+    np.testing.assert_array_equal(FixedPolicy(9).lengths(z, 4), [4, 4, 4])
+    with pytest.raises(ValueError, match="confidence head"):
+        ThresholdPolicy(0.5).lengths(None, 4)
+
+
+def test_parse_policy():
+    assert parse_policy("fixed:3") == FixedPolicy(3)
+    assert parse_policy("threshold:0.4") == ThresholdPolicy(0.4)
+    with pytest.raises(ValueError, match="fixed:K"):
+        parse_policy("greedy")
+
+
+# ------------------------------------------------------------------------------------------
+# stochastic losslessness on a tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target(seed=3, vocab_size=12, num_layers=4)
+    # Sharpen the (tied) head: random init gives near-uniform distributions, under which a wrong
+    # acceptance rule is nearly invisible; peaked p and q give the test its power.
+    module = target.module()
+    module.embed[...] = module.embed[...] * 40.0
+    target = TargetModel.from_module(module)
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5, block_size=3, markov_rank=4)
+    return target, Drafter(cfg, rngs=nnx.Rngs(1))
+
+
+def exact_first_two(target, prompt, config):
+    """P(t1, t2) under target-only sampling, from the target's own (transformed) distributions."""
+    from dspark_jax.sampling import SamplingParams, probabilities
+
+    vocab = target.cfg.vocab_size
+    seqs = jnp.asarray([prompt + [t] for t in range(vocab)], jnp.int32)
+    logits = target.apply(target.params, seqs, target.new_cache(vocab, 16)).logits
+    params = SamplingParams.broadcast(config, vocab)
+    p1 = np.asarray(probabilities(logits[:1, len(prompt) - 1], SamplingParams.broadcast(config, 1)))[0]
+    p2 = np.asarray(probabilities(logits[:, len(prompt)], params))
+    return p1[:, None] * p2
+
+
+def sampled_first_two(decoder_or_generator, prompt, config, n):
+    result = decoder_or_generator.generate([prompt] * n, max_new_tokens=2, sampling=config, seeds=list(range(n)), max_len=32)
+    pairs = np.asarray([t[:2] for t in result.tokens])
+    vocab = 12
+    return np.bincount(pairs[:, 0] * vocab + pairs[:, 1], minlength=vocab * vocab).reshape(vocab, vocab) / n, result
+
+
+def chi2(freq, expected, n):
+    support = expected > 1e-4
+    assert freq[~support].sum() * n <= 2, "samples where the target has (almost) no mass"
+    return n * (((freq - expected) ** 2)[support] / expected[support]).sum(), support.sum() - 1
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.8), SamplingConfig(temperature=1.0, top_k=4)],
+    ids=["t1", "t0.7-top-p", "top-k"],
+)
+def test_speculative_sampling_matches_the_target_distribution(tiny, config):
+    target, drafter = tiny
+    prompt = [3, 1, 4]
+    n = 3000
+    expected = exact_first_two(target, prompt, config)
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    freq, result = sampled_first_two(decoder, prompt, config, n)
+    stat, dof = chi2(freq, expected, n)
+    # 99.9 % quantile of chi-square: dof + 3.1·sqrt(2·dof) + 5 is a safe bound for dof in 10..140.
+    assert stat < dof + 3.1 * np.sqrt(2 * dof) + 5, (stat, dof)
+    assert result.tau > 1.1, "the random drafter should get some tokens accepted on a 12-token vocab"
+    # Target-only sampling passes the same test (sanity of the exact reference).
+    freq_ar, _ = sampled_first_two(AutoregressiveGenerator(target), prompt, config, n)
+    stat_ar, _ = chi2(freq_ar, expected, n)
+    assert stat_ar < dof + 3.1 * np.sqrt(2 * dof) + 5
+
+
+def test_a_broken_acceptance_rule_fails_the_same_test(tiny, monkeypatch):
+    """A classic bug: judging drafts against a q other than the one they were sampled from."""
+    import dspark_jax.decoding.speculative as speculative_module
+
+    real_verify = speculative_module.verify
+
+    def verify_with_wrong_q(tokens, q, *args):
+        return real_verify(tokens, jnp.full_like(q, 1.0 / q.shape[-1]), *args)
+
+    monkeypatch.setattr(speculative_module, "verify", verify_with_wrong_q)
+    target, drafter = tiny
+    config = SamplingConfig(temperature=1.0)
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    n = 3000
+    freq, _ = sampled_first_two(decoder, [3, 1, 4], config, n)
+    stat, dof = chi2(freq, exact_first_two(target, [3, 1, 4], config), n)
+    assert stat > 2 * (dof + 3.1 * np.sqrt(2 * dof) + 5), (stat, dof)
