@@ -416,3 +416,15 @@ def test_acceptance_probability_is_one_minus_tv():
     np.testing.assert_allclose(acc, 1 - total_variation(jnp.asarray(p_d), jnp.asarray(p_t)), rtol=1e-5)
     # Hand case: min([.5,.5,0],[.25,.25,.5]) sums to .5; TV = ½(.25+.25+.5) = .5.
     np.testing.assert_allclose(acceptance_probability(jnp.array([0.5, 0.5, 0.0]), jnp.array([0.25, 0.25, 0.5])), 0.5)
+
+
+def test_per_position_acceptance_and_width_histogram():
+    from dspark_jax.eval.metrics import per_position_acceptance, width_histogram
+
+    # rounds: (accepted, offered) = (3, 3), (1, 3), (0, 2), (2, 2), (0, 0)
+    got = per_position_acceptance(np.array([3, 1, 0, 2, 0]), np.array([3, 3, 2, 2, 0]), 4)
+    # k=1: tried 4 (not the ℓ=0 round), kept 3; k=2: tried by rounds 1,2,4 -> kept 2;
+    # k=3: tried by round 1 only (round 2 stopped at 1, round 4 offered 2) -> kept 1; k=4: never.
+    np.testing.assert_allclose(got[:3], [3 / 4, 2 / 3, 1.0])
+    assert np.isnan(got[3])
+    assert width_histogram([4, 8, 4, 1]) == {1: 1, 4: 2, 8: 1}

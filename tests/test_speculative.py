@@ -94,6 +94,7 @@ def test_greedy_equals_target_only_when_every_draft_is_accepted(real, k):
     result = decoder.generate(prompts, max_new_tokens=32, max_len=256)
     assert result.tokens == [t[:32] for t in reference.tokens]
     assert result.tau == pytest.approx(k + 1, rel=0.15)  # all accepted, except where 32 cuts a round
+    np.testing.assert_array_equal(result.per_position_acceptance(GAMMA)[:k], 1.0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from dspark_jax.decoding.autoregressive import CACHE_LEN_MULTIPLE, bucket, valid
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter
+from dspark_jax.eval.metrics import per_position_acceptance, width_histogram
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.target import TargetModel
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
@@ -101,6 +102,17 @@ class SpeculativeResult:
     accepted_per_round: list[np.ndarray]  # per round: accepted drafts per active request
     verify_lengths: list[np.ndarray]  # per round: ℓ per active request
     verify_widths: list[int]
+
+    def per_position_acceptance(self, gamma: int) -> np.ndarray:
+        if not self.accepted_per_round:
+            return np.full(gamma, np.nan)
+        return per_position_acceptance(
+            np.concatenate(self.accepted_per_round), np.concatenate(self.verify_lengths), gamma
+        )
+
+    @property
+    def width_histogram(self) -> dict[int, int]:
+        return width_histogram(self.verify_widths)
 
     @property
     def tau(self) -> float:

@@ -16,6 +16,7 @@ Shapes: ``...`` are any leading (batch / block) axes; ``G`` is the slot axis (γ
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def acceptance_probability(p_d: jnp.ndarray, p_t: jnp.ndarray, axis: int = -1) -> jnp.ndarray:
@@ -62,3 +63,25 @@ def expected_tau_from_tv(tv: jnp.ndarray, valid: jnp.ndarray | None = None) -> j
     """
     a = jnp.clip(1.0 - jnp.asarray(tv, dtype=jnp.result_type(tv, jnp.float32)), 0.0, 1.0)
     return expected_tau(a, valid)
+
+
+def per_position_acceptance(accepted_R: np.ndarray, verify_len_R: np.ndarray, gamma: int) -> np.ndarray:
+    """Observed conditional acceptance per draft position (the paper's Fig. 2 metric).
+
+    Over request-rounds ``R`` with ``accepted`` drafts kept out of ``verify_len`` offered, position
+    k (1-based) was *tried* when ``verify_len >= k`` and ``accepted >= k − 1``, and *accepted*
+    when ``accepted >= k``. Returns ``[γ]`` accepted / tried (NaN where never tried).
+    """
+    accepted = np.asarray(accepted_R)[:, None]
+    offered = np.asarray(verify_len_R)[:, None]
+    k = np.arange(1, gamma + 1)[None, :]
+    tried = ((offered >= k) & (accepted >= k - 1)).sum(0)
+    kept = ((offered >= k) & (accepted >= k)).sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(tried > 0, kept / np.maximum(tried, 1), np.nan)
+
+
+def width_histogram(widths: list[int]) -> dict[int, int]:
+    """How many rounds ran each verify width."""
+    values, counts = np.unique(np.asarray(widths, int), return_counts=True)
+    return {int(v): int(c) for v, c in zip(values, counts)}
