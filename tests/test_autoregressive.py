@@ -6,14 +6,7 @@ import pytest
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.diagnostics import count_compilations
-
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "def fib(n):",
-]
+from tests.prompts import mixed_prompts
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +17,7 @@ def generator(embedded_target):
 @pytest.fixture(scope="module")
 def prompts(embedded_target):
     tokenizer = embedded_target[1]
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
-    return chat + [tokenizer.encode(QUESTIONS[3])]
+    return mixed_prompts(tokenizer)
 
 
 def test_batched_mixed_lengths_equal_one_at_a_time(generator, prompts):

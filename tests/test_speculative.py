@@ -19,15 +19,9 @@ from dspark_jax.decoding.speculative import (
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
 from dspark_jax.models.target import TargetModel
+from tests.prompts import mixed_prompts
 from tests.tiny import tiny_target
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "def fib(n):",
-]
 GAMMA = 7
 
 
@@ -39,8 +33,7 @@ def real(embedded_target):
         block_size=GAMMA, draft_vocab_size=4096,
     )
     drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(4096))  # random: rejects
-    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:3]]
-    prompts = chat + [tokenizer.encode(QUESTIONS[3])]
+    prompts = mixed_prompts(tokenizer)
     reference = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=32, max_len=256)
     return target, drafter, prompts, reference
 

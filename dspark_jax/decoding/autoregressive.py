@@ -65,6 +65,60 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return checked
 
 
+@dataclasses.dataclass
+class Requests:
+    """A validated batch of requests, with the right-padded prompt array for one prefill."""
+
+    prompts: list[list[int]]
+    lens: list[int]
+    padded_BxP: np.ndarray  # int32, prompt length bucketed (few prefill shapes)
+    params: SamplingParams
+    keys_B: jax.Array
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    def check_fits(self, max_new_tokens: int, slack: int, max_len: int) -> None:
+        need = max(self.lens) + max_new_tokens + slack
+        if need > max_len:
+            raise ValueError(
+                f"prompt of {max(self.lens)} tokens + max_new_tokens {max_new_tokens}"
+                + (f" + verify slack {slack}" if slack else "")
+                + f" does not fit the cache length {max_len}"
+            )
+
+
+def prepare_requests(
+    prompts: Sequence[Sequence[int]],
+    vocab_size: int,
+    max_new_tokens: int,
+    sampling: SamplingConfig | Sequence[SamplingConfig] | None,
+    seeds: Sequence[int] | int,
+) -> Requests:
+    """Validate a generate() call's per-request arguments (shared by all decoders).
+
+    ``sampling`` is one config for all or one per request (default greedy); ``seeds`` one int per
+    request, or one int from which request ``i`` uses ``seed + i``.
+    """
+    checked = validate_prompts(prompts, vocab_size)
+    batch = len(checked)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    sampling = SamplingConfig() if sampling is None else sampling
+    configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
+    if len(configs) != batch:
+        raise ValueError(f"got {len(configs)} sampling configs for {batch} prompts")
+    seed_list = [seeds + i for i in range(batch)] if isinstance(seeds, int) else list(seeds)
+    if len(seed_list) != batch:
+        raise ValueError(f"got {len(seed_list)} seeds for {batch} prompts")
+    lens = [len(p) for p in checked]
+    padded = np.zeros((batch, bucket(max(lens))), np.int32)
+    for row, prompt in enumerate(checked):
+        padded[row, : len(prompt)] = prompt
+    return Requests(checked, lens, padded, SamplingParams.from_configs(configs), request_keys(seed_list))
+
+
 class AutoregressiveGenerator:
     """Jitted prefill + decode step over a target, and a host loop that drives them."""
 
@@ -135,40 +189,20 @@ class AutoregressiveGenerator:
         int per request (or one int, request ``i`` then using ``seed + i``). ``max_len`` fixes the
         cache length (default: the prompt + max_new_tokens rounded up to a multiple of 128).
         """
-        prompts = validate_prompts(prompts, self.target.cfg.vocab_size)
-        batch = len(prompts)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
+        batch = requests.batch
         if max_new_tokens == 0:
-            return GenerationResult([[] for _ in prompts], ["length"] * batch, 0.0, 0.0, 0)
-        if sampling is None:
-            sampling = SamplingConfig()  # greedy
-        configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
-        if len(configs) != batch:
-            raise ValueError(f"got {len(configs)} sampling configs for {batch} prompts")
-        seed_list = [seeds + i for i in range(batch)] if isinstance(seeds, int) else list(seeds)
-        if len(seed_list) != batch:
-            raise ValueError(f"got {len(seed_list)} seeds for {batch} prompts")
-        lens = [len(p) for p in prompts]
+            return GenerationResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0)
         if max_len is None:
-            max_len = self.cache_len_for(lens, max_new_tokens)
-        elif max(lens) + max_new_tokens > max_len:
-            raise ValueError(
-                f"prompt of {max(lens)} tokens + max_new_tokens {max_new_tokens} does not fit the "
-                f"cache length {max_len}"
-            )
-
-        padded = np.zeros((batch, bucket(max(lens))), np.int32)
-        for row, prompt in enumerate(prompts):
-            padded[row, : len(prompt)] = prompt
-        params = SamplingParams.from_configs(configs)
-        keys = request_keys(seed_list)
+            max_len = self.cache_len_for(requests.lens, max_new_tokens)
+        requests.check_fits(max_new_tokens, 0, max_len)
+        params, keys, lens = requests.params, requests.keys_B, requests.lens
         stops = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
         cache = self.target.new_cache(batch, max_len)
 
         start = time.perf_counter()
         token_B, cache = self._prefill(
-            self.target.params, cache, jnp.asarray(padded), jnp.asarray(lens, jnp.int32), keys, params
+            self.target.params, cache, jnp.asarray(requests.padded_BxP), jnp.asarray(lens, jnp.int32), keys, params
         )
         token_np = np.asarray(token_B)
         prefill_s = time.perf_counter() - start

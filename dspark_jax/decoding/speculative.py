@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.decoding.autoregressive import CACHE_LEN_MULTIPLE, bucket, validate_prompts
+from dspark_jax.decoding.autoregressive import CACHE_LEN_MULTIPLE, bucket, prepare_requests
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter
@@ -219,39 +219,23 @@ class SpeculativeDecoder:
         max_len: int | None = None,
     ) -> SpeculativeResult:
         """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``."""
-        prompts = validate_prompts(prompts, self.target.cfg.vocab_size)
-        batch = len(prompts)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
+        batch = requests.batch
         if max_new_tokens == 0:
-            return SpeculativeResult([[] for _ in prompts], ["length"] * batch, 0.0, 0.0, 0, [], [], [])
-        sampling = SamplingConfig() if sampling is None else sampling
-        configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
-        seed_list = [seeds + i for i in range(batch)] if isinstance(seeds, int) else list(seeds)
-        if len(configs) != batch or len(seed_list) != batch:
-            raise ValueError(f"need one sampling config and one seed per prompt ({batch})")
-        lens = [len(p) for p in prompts]
+            return SpeculativeResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0, [], [], [])
         slack = self.verify_widths[-1]
-        need = max(lens) + max_new_tokens + slack
         if max_len is None:
+            need = max(requests.lens) + max_new_tokens + slack
             max_len = -(-need // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
-        elif need > max_len:
-            raise ValueError(
-                f"prompt of {max(lens)} tokens + max_new_tokens {max_new_tokens} + verify slack {slack} "
-                f"does not fit the cache length {max_len}"
-            )
-        padded = np.zeros((batch, bucket(max(lens))), np.int32)
-        for row, prompt in enumerate(prompts):
-            padded[row, : len(prompt)] = prompt
-        params = SamplingParams.from_configs(configs)
-        keys = request_keys(seed_list)
+        requests.check_fits(max_new_tokens, slack, max_len)
+        params, keys = requests.params, requests.keys_B
         stops = stop_id_array(stop_ids)
 
         start = time.perf_counter()
         first, state = self._prefill(
             self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
             ContextCache.create(self.cfg, batch, max_len, self.embed.dtype),
-            jnp.asarray(padded), jnp.asarray(lens, jnp.int32), keys, params,
+            jnp.asarray(requests.padded_BxP), jnp.asarray(requests.lens, jnp.int32), keys, params,
         )
         first = np.asarray(first)
         prefill_s = time.perf_counter() - start
