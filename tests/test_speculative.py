@@ -125,6 +125,18 @@ def test_threshold_policy_truncates_at_the_first_unconfident_slot():
         ThresholdPolicy(0.5).lengths(None, 4)
 
 
+def test_bad_input_is_a_clear_error(real):
+    target, drafter, prompts, _ = real
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        decoder.generate([[1] * 8180], max_new_tokens=8)
+    with pytest.raises(ValueError, match="verify slack"):
+        decoder.generate([[1] * 250], max_new_tokens=4, max_len=256)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        decoder.generate([[]], max_new_tokens=4)
+    assert decoder.generate(prompts, max_new_tokens=0).tokens == [[]] * len(prompts)
+
+
 def test_parse_policy():
     assert parse_policy("fixed:3") == FixedPolicy(3)
     assert parse_policy("threshold:0.4") == ThresholdPolicy(0.4)

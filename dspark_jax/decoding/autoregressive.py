@@ -65,6 +65,18 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
     return checked
 
 
+def cache_len(prompt_lens: Sequence[int], max_new_tokens: int, limit: int, slack: int = 0) -> int:
+    """Cache slots for a batch: longest prompt + new tokens (+ verify slack), rounded up to 128."""
+    need = max(prompt_lens) + max_new_tokens + slack
+    if need > limit:
+        raise ValueError(
+            f"prompt ({max(prompt_lens)} tokens) + max_new_tokens ({max_new_tokens})"
+            + (f" + verify slack ({slack})" if slack else "")
+            + f" = {need} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return min(-(-need // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE, limit)
+
+
 @dataclasses.dataclass
 class Requests:
     """A validated batch of requests, with the right-padded prompt array for one prefill."""
@@ -162,15 +174,7 @@ class AutoregressiveGenerator:
         return time.perf_counter() - start
 
     def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
-        need = max(prompt_lens) + max_new_tokens
-        size = -(-need // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
-        limit = self.target.cfg.max_position_embeddings
-        if need > limit:
-            raise ValueError(
-                f"prompt ({max(prompt_lens)} tokens) + max_new_tokens ({max_new_tokens}) = {need} "
-                f"exceeds the model's max_position_embeddings ({limit})"
-            )
-        return min(size, limit)
+        return cache_len(prompt_lens, max_new_tokens, self.target.cfg.max_position_embeddings)
 
     def generate(
         self,

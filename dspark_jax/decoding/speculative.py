@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.decoding.autoregressive import CACHE_LEN_MULTIPLE, bucket, prepare_requests
+from dspark_jax.decoding.autoregressive import bucket, cache_len, prepare_requests
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter
@@ -225,8 +225,7 @@ class SpeculativeDecoder:
             return SpeculativeResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0, [], [], [])
         slack = self.verify_widths[-1]
         if max_len is None:
-            need = max(requests.lens) + max_new_tokens + slack
-            max_len = -(-need // CACHE_LEN_MULTIPLE) * CACHE_LEN_MULTIPLE
+            max_len = cache_len(requests.lens, max_new_tokens, self.target.cfg.max_position_embeddings, slack)
         requests.check_fits(max_new_tokens, slack, max_len)
         params, keys = requests.params, requests.keys_B
         stops = stop_id_array(stop_ids)
