@@ -63,8 +63,8 @@ class OracleDecoder(SpeculativeDecoder):
         truth = jnp.asarray(continuation_BxN)
         lens = jnp.asarray(prompt_lens)
 
-        def oracle_draft(drafter_state, state, keys, sampling, active):
-            block, lengths = draft(drafter_state, state, keys, sampling, active)
+        def oracle_draft(params, drafter_state, state, keys, sampling, active):
+            block, lengths = draft(params, drafter_state, state, keys, sampling, active)
             done = state.target_cache.lengths_B - lens  # generated tokens already in the cache
             index = jnp.clip(done[:, None] + 1 + jnp.arange(GAMMA), 0, truth.shape[1] - 1)
             tokens = jnp.take_along_axis(truth, index, axis=1)

@@ -137,27 +137,27 @@ class SpeculativeDecoder:
         if not self.verify_widths or self.verify_widths[-1] < gamma + 1:
             # Some bucket must fit a full block: [anchor, x_1..x_γ].
             self.verify_widths = tuple(sorted(set(self.verify_widths) | {gamma + 1}))
+        # The policy is baked into the jitted draft step: build a new decoder to change it.
         self.drafter_graph, self.drafter_state = nnx.split(drafter)
-        module = target.module()
-        self.embed = module.embed[...]
-        self.lm_head = self.embed if module.lm_head is None else module.lm_head.weight[...]
         taps = self.cfg.tap_layers
 
         def prefill(params, drafter_state, cache, context, tokens_BxP, lens_B, keys_B, sampling):
-            out = target.apply(params, tokens_BxP, cache, n_new_B=lens_B, tap_layers=taps)
-            last = jnp.take_along_axis(out.logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-            first = sample(last, sampling, step_keys(keys_B, jnp.zeros_like(lens_B)))
+            out = target.apply(
+                params, tokens_BxP, cache, n_new_B=lens_B, logits_at_B=lens_B - 1, tap_layers=taps
+            )
+            first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(lens_B)))
             drafter_ = nnx.merge(self.drafter_graph, drafter_state)
             context = drafter_.backbone.extend_context(context, out.taps, lens_B)
             state = DecodeState(out.cache, context, first, jnp.zeros_like(lens_B))
             return first, state
 
-        def draft(drafter_state, state, keys_B, sampling, active_B):
+        def draft(params, drafter_state, state, keys_B, sampling, active_B):
             drafter_ = nnx.merge(self.drafter_graph, drafter_state)
+            embed, lm_head = target.embedding_and_head(params)
             round_keys = step_keys(keys_B, 2 * state.round_B + 1)
             slot_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(round_keys)
             block, confidence = drafter_.propose(
-                self.embed, self.lm_head, state.context, state.anchor_B, sampling, slot_keys
+                embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
             )
             lengths = jnp.broadcast_to(policy.lengths(confidence, gamma), active_B.shape)
             return block, jnp.where(active_B, lengths, 0)
@@ -191,12 +191,12 @@ class SpeculativeDecoder:
         active = jnp.asarray(np.ones(batch, bool))
         _, state = self._prefill(
             self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            ContextCache.create(self.cfg, batch, max_len, self.embed.dtype),
+            ContextCache.create(self.cfg, batch, max_len, self.target.params[0].dtype),
             jnp.asarray(np.zeros((batch, bucket(prompt_len)), np.int32)),
             jnp.asarray([1] * batch, jnp.int32), keys, params,
         )
         for width in self.verify_widths:
-            block, _ = self._draft(self.drafter_state, state, keys, params, active)
+            block, _ = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
             lengths = jnp.zeros((batch,), jnp.int32)
             _, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params, active,
@@ -233,7 +233,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         first, state = self._prefill(
             self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            ContextCache.create(self.cfg, batch, max_len, self.embed.dtype),
+            ContextCache.create(self.cfg, batch, max_len, self.target.params[0].dtype),
             jnp.asarray(requests.padded_BxP), jnp.asarray(requests.lens, jnp.int32), keys, params,
         )
         first = np.asarray(first)
@@ -251,7 +251,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         while active.any():
             active_j = jnp.asarray(active)
-            block, lengths = self._draft(self.drafter_state, state, keys, params, active_j)
+            block, lengths = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
             lengths_np = np.asarray(lengths)
             width = self.width_for(int(lengths_np[active].max()))
             verdict, state = self._verify(

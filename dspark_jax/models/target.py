@@ -146,6 +146,13 @@ class TargetModel:
     def apply(self, params: list, tokens_BxT, cache: KVCache, **kwargs) -> ForwardOutput:
         return self.module(params)(tokens_BxT, cache, **kwargs)
 
+    def embedding_and_head(self, params: list) -> tuple[jax.Array, jax.Array]:
+        """The input embedding ``[V, d]`` and LM head ``[V, d]`` (the same array when tied), which
+        drafters share frozen. Call it inside the jitted function that receives ``params``."""
+        module = self.module(params)
+        head = module.embed if module.lm_head is None else module.lm_head.weight
+        return module.embed[...], head[...]
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.create(self.cfg, batch, max_len, self.params[0].dtype)
 
