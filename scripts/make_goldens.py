@@ -441,10 +441,7 @@ def smollm2_reference(model, prompts: list[list[int]], vocab_size: int) -> dict[
         topk_ids.append(top.astype(np.int32))
         topk_logits.append(np.take_along_axis(logits, top, axis=-1))
         taps.append(np.stack([t[-1] for t in tapped]))
-        tokens, margin = hf_greedy(model, ids)
-        generated = hf_generate(model, ids)
-        if generated != tokens:
-            raise RuntimeError(f"HF generate() {generated} != manual argmax loop {tokens}")
+        tokens, margin = checked_greedy(model, ids)
         greedy.append(tokens)
         margins.append(margin)
     return {
@@ -462,14 +459,20 @@ def smollm2_reference(model, prompts: list[list[int]], vocab_size: int) -> dict[
     }
 
 
+def checked_greedy(model, ids):
+    """HF greedy continuation and its smallest top-1/top-2 margin, cross-checked against generate()."""
+    tokens, margin = hf_greedy(model, ids)
+    generated = hf_generate(model, ids)
+    if generated != tokens:
+        raise RuntimeError(f"HF generate() {generated} != manual argmax loop {tokens}")
+    return tokens, margin
+
+
 def tiny_reference(model, prompts: list[list[int]]) -> dict[str, np.ndarray]:
     logits, greedy, margins = [], [], []
     for ids in prompts:
         logits.append(_hf_forward(model, ids)[0])
-        tokens, margin = hf_greedy(model, ids)
-        generated = hf_generate(model, ids)
-        if generated != tokens:
-            raise RuntimeError(f"HF generate() {generated} != manual argmax loop {tokens}")
+        tokens, margin = checked_greedy(model, ids)
         greedy.append(tokens)
         margins.append(margin)
     return {

@@ -142,6 +142,12 @@ def test_parse_policy():
     assert parse_policy("threshold:0.4") == ThresholdPolicy(0.4)
     with pytest.raises(ValueError, match="fixed:K"):
         parse_policy("greedy")
+    with pytest.raises(ValueError, match="k >= 0"):
+        parse_policy("fixed:-1")
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        parse_policy("threshold:1.5")
+    with pytest.raises(ValueError):
+        parse_policy("fixed:three")
 
 
 # ------------------------------------------------------------------------------------------

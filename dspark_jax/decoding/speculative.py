@@ -43,6 +43,10 @@ class FixedPolicy:
 
     k: int
 
+    def __post_init__(self):
+        if self.k < 0:
+            raise ValueError(f"fixed policy needs k >= 0 drafted tokens, got {self.k}")
+
     def lengths(self, confidence_BxG, gamma: int) -> jax.Array:
         batch = confidence_BxG.shape[0] if confidence_BxG is not None else 1
         return jnp.full((batch,), min(self.k, gamma), jnp.int32)
@@ -54,6 +58,10 @@ class ThresholdPolicy:
 
     threshold: float
 
+    def __post_init__(self):
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"confidence threshold must be in [0, 1], got {self.threshold}")
+
     def lengths(self, confidence_BxG, gamma: int) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("a threshold policy needs a drafter with a confidence head")
@@ -62,15 +70,11 @@ class ThresholdPolicy:
 
 
 def parse_policy(text: str):
-    """``fixed:K`` or ``threshold:X`` (the CLI's ``--policy``)."""
+    """A policy from text: ``fixed:K`` or ``threshold:X``."""
     kind, _, value = text.partition(":")
-    try:
-        if kind == "fixed":
-            return FixedPolicy(int(value))
-        if kind == "threshold":
-            return ThresholdPolicy(float(value))
-    except ValueError:
-        pass
+    parsers = {"fixed": lambda v: FixedPolicy(int(v)), "threshold": lambda v: ThresholdPolicy(float(v))}
+    if kind in parsers:
+        return parsers[kind](value)  # a bad number or range raises its own clear ValueError
     raise ValueError(f"policy must be 'fixed:K' or 'threshold:X', got {text!r}")
 
 
