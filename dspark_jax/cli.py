@@ -1,4 +1,4 @@
-"""``dspark`` command line: ``demo``, ``generate``, ``convert``."""
+"""``dspark`` command line: ``demo``, ``generate``, ``bench``, ``convert``, ``train``."""
 
 from __future__ import annotations
 
@@ -61,15 +61,110 @@ def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
+def parse_policy_arg(text: str | None):
+    """``--policy`` as a policy object (None: the decoder's default); bad text exits with one line."""
+    from dspark_jax.decoding.speculative import parse_policy
+
+    if text is None:
+        return None
+    try:
+        return parse_policy(text)
+    except ValueError as error:
+        raise SystemExit(f"--policy {text!r}: {error}") from None
+
+
+def check_drafter_arg(spec: str) -> None:
+    """Fail fast (before the target loads) on a drafter name or path that cannot exist."""
+    from dspark_jax.drafters import resolve_drafter
+
+    try:
+        resolve_drafter(spec)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--drafter {spec!r}: {error}") from None
+
+
+def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False):
+    """``(name, drafter, policy, note)`` for ``--drafter`` (a shipped name or a directory).
+
+    Anything wrong (unknown name, not trained/shipped yet, not a checkpoint, does not fit the
+    target) exits with one line. A threshold policy on a drafter without a confidence head is an
+    error, or with ``fallback`` runs ``fixed:γ`` and says so in ``note``.
+    """
+    from dspark_jax.eval.compare import load_drafter_spec, policy_for
+
+    try:
+        name, drafter = load_drafter_spec(spec, target.cfg)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--drafter {spec!r}: {error}") from None
+    chosen, note = policy_for(drafter.cfg, policy)
+    if note and not fallback:
+        raise SystemExit(f"--policy {policy_text(policy)} needs a drafter with a confidence head; "
+                         f"{name} ({drafter.cfg.kind}) has none: use fixed:K")
+    return name, drafter, chosen, note
+
+
+def policy_text(policy) -> str:
+    from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+
+    if isinstance(policy, FixedPolicy):
+        return f"fixed:{policy.k}"
+    if isinstance(policy, ThresholdPolicy):
+        return f"threshold:{policy.threshold:g}"
+    return repr(policy)
+
+
+def _describe(name, drafter, decoder) -> str:
+    return f"{name} ({drafter.cfg.kind}, γ={drafter.cfg.block_size}), policy {policy_text(decoder.policy)}"
+
+
+def _spec_stats(result) -> str:
+    """τ, rounds, draft/verify split and the verify-width histogram of a speculative result."""
+    tau = "n/a" if result.rounds == 0 else f"{result.tau:.2f}"
+    widths = ", ".join(f"{w}: {c}" for w, c in sorted(result.width_histogram.items()))
+    return (f"τ {tau} over {result.rounds} rounds (draft {result.draft_s * 1e3:.0f} ms, "
+            f"verify {result.verify_s * 1e3:.0f} ms); verify widths {{{widths}}}")
+
+
+def _decode_tok_s(result) -> float:
+    produced = sum(max(len(t) - 1, 0) for t in result.tokens)
+    return produced / result.decode_s if result.decode_s > 0 else float("nan")
+
+
 def cmd_generate(args) -> int:
     from dspark_jax.config import SamplingConfig
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
 
     if not args.prompt:
         raise SystemExit("--prompt is empty")
+    if args.policy is not None and args.drafter is None:
+        raise SystemExit("--policy needs --drafter")
+    policy = parse_policy_arg(args.policy)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.drafter is not None:
+        check_drafter_arg(args.drafter)
     target, tokenizer = load_target(args.checkpoint)
     ids = _encode(tokenizer, args.prompt, args.chat)
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if args.drafter is not None:
+        from dspark_jax.eval.compare import make_decoder
+
+        name, drafter, policy, _ = load_drafter_arg(args.drafter, target, policy)
+        decoder = make_decoder(target, drafter, policy)
+        slack = decoder.verify_widths[-1]
+        max_len = cache_len([len(ids)], args.max_new_tokens, target.cfg.max_position_embeddings, slack)
+        compile_s = decoder.warmup(1, len(ids), max_len)
+        result = decoder.generate(
+            [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed],
+            stop_ids=stops, max_len=max_len,
+        )
+        print(tokenizer.decode(result.tokens[0]))
+        print(
+            f"[{len(result.tokens[0])} tokens, finish={result.finish_reasons[0]}; prompt {len(ids)} tokens; "
+            f"prefill {result.prefill_s * 1e3:.0f} ms; decode {_decode_tok_s(result):.1f} tokens/s; "
+            f"{_spec_stats(result)}; drafter {_describe(name, drafter, decoder)}; compile {compile_s:.1f} s]",
+            file=sys.stderr,
+        )
+        return 0
     generator = AutoregressiveGenerator(target)
     max_len = generator.cache_len_for([len(ids)], args.max_new_tokens)
     compile_s = generator.warmup(1, len(ids), max_len)
@@ -78,7 +173,7 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
         seeds=[args.seed],
-        stop_ids=[tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [],
+        stop_ids=stops,
         max_len=max_len,
     )
     print(tokenizer.decode(result.tokens[0]))
@@ -91,8 +186,76 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _fmt_values(values) -> str:
+    return "[" + ", ".join("-" if v is None or v != v else f"{v:.2f}" for v in values) + "]"
+
+
+def _yes_no(identical) -> str:
+    return "n/a (sampled)" if identical is None else ("yes" if identical else "NO")
+
+
+def cmd_bench(args) -> int:
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.drafters import DEFAULT
+    from dspark_jax.eval.compare import Comparison, make_decoder, read_prompts_jsonl, summarize
+
+    if args.prompts is not None and args.prompts < 1:
+        raise SystemExit(f"--prompts must be >= 1, got {args.prompts}")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    policy = parse_policy_arg(args.policy)
+    sampling = SamplingConfig(temperature=args.temperature)
+    if args.prompts_file:
+        try:
+            texts = read_prompts_jsonl(args.prompts_file, args.prompts)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--prompts-file: {error}") from None
+    else:
+        texts = list(DEMO_PROMPTS[: args.prompts])
+    check_drafter_arg(args.drafter or DEFAULT)
+    target, tokenizer = load_target(None)
+    name, drafter, policy, _ = load_drafter_arg(args.drafter or DEFAULT, target, policy)
+    decoder = make_decoder(target, drafter, policy)
+    prompts = [_encode(tokenizer, text, chat=True) for text in texts]
+    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
+    print(f"target-only vs speculative decoding, drafter {_describe(name, drafter, decoder)}; "
+          f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {mode}")
+    comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
+                            stop_ids=[tokenizer.eos_token_id], sampling=sampling)
+    compile_s = comparison.prepare([len(p) for p in prompts])
+    print(f"compiled + warmed up before timing: target-only {compile_s['target_only']:.1f} s, "
+          f"speculative {compile_s[name]:.1f} s")
+    runs = comparison.run(prompts, repeats=args.repeats, seed=args.seed)
+    for index, run in enumerate(runs):
+        base, spec = run.baseline, run.speculative[name]
+        same = base.tokens[0] == spec.tokens[0]
+        print(f"  [{index}] {len(spec.tokens[0])} tokens: target-only {_decode_tok_s(base):.1f} tok/s, "
+              f"speculative {_decode_tok_s(spec):.1f} tok/s, τ {spec.tau:.2f}, "
+              f"identical {_yes_no(same if sampling.greedy else None)}")
+    summary = summarize(runs, name, drafter.cfg.block_size, greedy=sampling.greedy)
+    split = summary["time_split"]
+    rate = summary["tokens_per_s"]
+    print(f"speedup x{summary['speedup']:.2f} (decode time; x{summary['speedup_with_prefill']:.2f} with prefill): "
+          f"{rate['target_only']:.1f} -> {rate['speculative']:.1f} tokens/s")
+    print(f"τ {summary['tau']:.2f}; acceptance rate {summary['acceptance_rate']:.2f}; "
+          f"per-position acceptance {_fmt_values(summary['per_position_acceptance'])}")
+    widths = ", ".join(f"{w}: {c}" for w, c in summary["width_histogram"].items())
+    print(f"verify widths {{{widths}}}; decode time split: draft {split['draft_s']:.2f} s "
+          f"({100 * split['draft_share']:.0f}%), verify {split['verify_s']:.2f} s "
+          f"({100 * split['verify_share']:.0f}%), host {split['host_s']:.2f} s")
+    differing = [d["prompt"] for d in summary["differing_prompts"]]
+    print(f"greedy outputs identical: {_yes_no(summary['identical'])}"
+          + (f" (prompts {differing} differ)" if differing and sampling.greedy else ""))
+    if comparison.compiles_while_timing:
+        print(f"warning: {comparison.compiles_while_timing} compilations happened while timing")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+    from dspark_jax.drafters import DEFAULT, is_shipped
 
     start = time.perf_counter()
     target, tokenizer = load_target(None)
@@ -103,13 +266,17 @@ def cmd_demo(args) -> int:
     stops = [tokenizer.eos_token_id]
     max_len = generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens)
 
-    print(f"\n== target-only greedy decoding, one request at a time (B=1), {args.max_new_tokens} new tokens max")
-    generator.warmup(1, max(len(p) for p in prompts), max_len)
-    for text, ids in zip(DEMO_PROMPTS, prompts):
-        r = generator.generate([ids], max_new_tokens=args.max_new_tokens, stop_ids=stops, max_len=max_len)
-        print(f"\n> {text}\n{tokenizer.decode(r.tokens[0]).strip()}")
-        print(f"  [{len(r.tokens[0])} tokens, prefill {r.prefill_s * 1e3:.0f} ms, "
-              f"{r.decode_tokens_per_s:.1f} tokens/s]")
+    shipped = is_shipped(DEFAULT)
+    if shipped:
+        _demo_side_by_side(args, target, tokenizer, prompts)
+    else:
+        print(f"\n== target-only greedy decoding, one request at a time (B=1), {args.max_new_tokens} new tokens max")
+        generator.warmup(1, max(len(p) for p in prompts), max_len)
+        for text, ids in zip(DEMO_PROMPTS, prompts):
+            r = generator.generate([ids], max_new_tokens=args.max_new_tokens, stop_ids=stops, max_len=max_len)
+            print(f"\n> {text}\n{tokenizer.decode(r.tokens[0]).strip()}")
+            print(f"  [{len(r.tokens[0])} tokens, prefill {r.prefill_s * 1e3:.0f} ms, "
+                  f"{r.decode_tokens_per_s:.1f} tokens/s]")
 
     print(f"\n== the same {len(prompts)} prompts as one batch (B={len(prompts)})")
     generator.warmup(len(prompts), max(len(p) for p in prompts), max_len)
@@ -117,8 +284,35 @@ def cmd_demo(args) -> int:
     total = r.num_generated
     print(f"  {total} tokens in {r.prefill_s + r.decode_s:.2f} s: "
           f"{total / (r.prefill_s + r.decode_s):.1f} tokens/s overall, {r.steps} decode steps")
-    print("\n(DSpark speculative decoding is shown here side by side once a trained drafter ships.)")
+    if not shipped:
+        print(f"\n(No DSpark side by side: the shipped drafter {DEFAULT} is not trained/shipped yet.)")
     return 0
+
+
+def _demo_side_by_side(args, target, tokenizer, prompts) -> None:
+    """Target-only vs the shipped DSpark drafter, greedy, B=1: the text once, both timings."""
+    from dspark_jax.drafters import DEFAULT
+    from dspark_jax.eval.compare import Comparison, make_decoder
+
+    name, drafter, _, _ = load_drafter_arg(DEFAULT, target)
+    decoder = make_decoder(target, drafter, None)
+    print(f"\n== target-only vs DSpark ({_describe(name, drafter, decoder)}), greedy, one request at "
+          f"a time (B=1), {args.max_new_tokens} new tokens max")
+    comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
+                            stop_ids=[tokenizer.eos_token_id])
+    comparison.prepare([len(p) for p in prompts])
+    base_s = spec_s = 0.0
+    for text, run in zip(DEMO_PROMPTS, comparison.run(prompts)):
+        base, spec = run.baseline, run.speculative[name]
+        base_s, spec_s = base_s + base.decode_s, spec_s + spec.decode_s
+        print(f"\n> {text}\n{tokenizer.decode(base.tokens[0]).strip()}")
+        if spec.tokens[0] != base.tokens[0]:  # greedy: must not happen; show it if it does
+            print(f"  (DSpark's output differs:)\n{tokenizer.decode(spec.tokens[0]).strip()}")
+        speedup = base.decode_s / spec.decode_s if spec.decode_s > 0 else float("nan")
+        print(f"  [{len(base.tokens[0])} tokens; target-only {_decode_tok_s(base):.1f} tokens/s; "
+              f"DSpark {_decode_tok_s(spec):.1f} tokens/s, τ {spec.tau:.2f}; speedup x{speedup:.2f}]")
+    if spec_s > 0:
+        print(f"\n  overall decode speedup x{base_s / spec_s:.2f}")
 
 
 def cmd_convert(args) -> int:
@@ -135,6 +329,23 @@ def cmd_convert(args) -> int:
     )
     print(f"wrote HF checkpoint to {out}")
     return 0
+
+
+def cmd_train(args) -> int:
+    import dataclasses
+
+    from dspark_jax.training.train import load_config, run
+
+    config = load_config(args.config)
+    overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps)) if v is not None}
+    config = dataclasses.replace(config, **overrides)
+    out = run(config)
+    print(f"drafter written to {out}; per-step log in {Path(config.out_dir) / 'log.jsonl'}")
+    return 0
+
+
+DRAFTER_HELP = "a shipped drafter name (smollm2_135m_dspark, _dflash, _eagle3) or a drafter checkpoint directory"
+POLICY_HELP = "verify lengths: fixed:K (K drafts per round) or threshold:X (confidence >= X); default: the decoder's (fixed:7)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,12 +365,32 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    gen.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
+    gen.add_argument("--policy", default=None, help=POLICY_HELP)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="target-only vs speculative decoding on the same prompts (B=1)")
+    bench.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: smollm2_135m_dspark)")
+    bench.add_argument("--policy", default=None, help=POLICY_HELP)
+    bench.add_argument("--prompts", type=int, default=None, help="how many prompts (default: all)")
+    bench.add_argument("--prompts-file", default=None,
+                       help='jsonl, one {"turns": [...]} per line, first turn used (default: the demo prompts)')
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must then be identical)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
+    bench.set_defaults(func=cmd_bench)
 
     conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory")
     conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
     conv.add_argument("--out", required=True)
     conv.set_defaults(func=cmd_convert)
+
+    train = sub.add_parser("train", help="build the target cache and train a drafter (resumes if interrupted)")
+    train.add_argument("--config", required=True, help="a config file defining CONFIG = TrainConfig(...), e.g. configs/tiny_test.py")
+    train.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    train.add_argument("--steps", type=int, default=None, help="override the config's step count")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

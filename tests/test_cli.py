@@ -1,13 +1,31 @@
-"""The `dspark` command line on the embedded target."""
+"""The `dspark` command line on the embedded target, and the speculative benchmark script."""
 
+import contextlib
+import importlib.util
+import io
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from dspark_jax.cli import main
 
+FRANCE = ["--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"]
 
-def test_generate_prints_text_and_speed(capsys):
-    assert main(["generate", "--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"]) == 0
-    out, err = capsys.readouterr()
+
+@pytest.fixture(scope="module")
+def target_only_france(embedded_target):
+    """``(stdout, stderr)`` of ``dspark generate`` on FRANCE without a drafter (run once, shared)."""
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        patch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+        assert main(["generate", *FRANCE]) == 0
+    return out.getvalue(), err.getvalue()
+
+
+def test_generate_prints_text_and_speed(target_only_france):
+    out, err = target_only_france
     assert "Paris" in out
     assert "tokens/s" in err and "compile" in err
 
@@ -20,3 +38,138 @@ def test_bad_sampling_arguments_are_clear_errors(capsys):
 def test_empty_prompt_is_refused():
     with pytest.raises(SystemExit, match="--prompt is empty"):
         main(["generate", "--prompt", ""])
+
+
+# --------------------------------------------------------------------------------------------
+# Speculative decoding from the command line: --drafter / --policy, and the benchmark script
+# --------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def random_drafter_dir(embedded_target, tmp_path_factory):
+    """An untrained DSpark drafter for the embedded target, saved as a checkpoint directory."""
+    from dspark_jax.checkpoints.drafter import build_drafter, save_drafter
+    from dspark_jax.config import DrafterConfig
+
+    cfg = DrafterConfig.for_target(embedded_target[0].cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28),
+                                   mask_token_id=0, block_size=7, draft_vocab_size=4096)
+    drafter = build_drafter(cfg, draft_vocab_ids=np.arange(4096))
+    return save_drafter(drafter, tmp_path_factory.mktemp("drafters") / "random_dspark")
+
+
+@pytest.fixture
+def shared_target(monkeypatch, embedded_target):
+    """The CLI and the scripts reuse the session's embedded target instead of loading it again."""
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+    monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: embedded_target)
+    return embedded_target
+
+
+def test_generate_with_drafter_prints_target_text_and_tau(capsys, target_only_france, shared_target,
+                                                         random_drafter_dir):
+    plain, _ = target_only_france
+    assert main(["generate", *FRANCE, "--drafter", str(random_drafter_dir), "--policy", "fixed:3"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain  # greedy speculative output is the target's, token for token
+    assert "τ " in err and "rounds" in err and "tokens/s" in err
+    assert "verify widths {4: " in err and "policy fixed:3" in err and "draft " in err and "verify " in err
+
+
+def test_unshipped_drafter_names_are_clear(monkeypatch, tmp_path):
+    import dspark_jax.drafters as drafters
+
+    monkeypatch.setattr(drafters, "_ROOT", tmp_path)
+    with pytest.raises(ValueError, match="shipped names are smollm2_135m_dspark, smollm2_135m_dflash"):
+        drafters.shipped_drafter_path("gpt2_drafter")
+    with pytest.raises(FileNotFoundError, match="'smollm2_135m_dflash' is not trained/shipped yet"):
+        drafters.shipped_drafter_path("smollm2_135m_dflash")
+    assert not drafters.is_shipped("smollm2_135m_dflash")
+    (tmp_path / "smollm2_135m_dflash").mkdir()
+    for name in drafters.FILES:
+        (tmp_path / "smollm2_135m_dflash" / name).write_text("{}")
+    assert drafters.shipped_drafter_path("smollm2_135m_dflash") == tmp_path / "smollm2_135m_dflash"
+    assert drafters.is_shipped("smollm2_135m_dflash")
+
+
+def _tiny_target_drafter(directory):
+    """The config of a drafter for another (tiny) target: refused before any weights are read."""
+    from dspark_jax.checkpoints.drafter import CONFIG_FILE, FORMAT, VERSION
+    from dspark_jax.config import DrafterConfig
+    from tests.tiny import tiny_config
+
+    cfg = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
+    directory.mkdir()
+    (directory / CONFIG_FILE).write_text(json.dumps({"format": FORMAT, "version": VERSION, "drafter": cfg.to_dict()}))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--drafter", "no_such_drafter"], "neither a shipped drafter"),
+        (["--drafter", "smollm2_135m_eagle3"], "not trained/shipped yet"),
+        (["--drafter", "{empty}"], "not a drafter checkpoint: no config.json"),
+        (["--drafter", "{tiny}"], "drafter does not fit the target: hidden_size"),
+        (["--drafter", "{drafter}", "--policy", "greedy:3"], "policy must be 'fixed:K' or 'threshold:X'"),
+        (["--drafter", "{drafter}", "--policy", "fixed:three"], "--policy 'fixed:three'"),
+        (["--drafter", "{drafter}", "--policy", "threshold:1.5"], "threshold must be in"),
+        (["--policy", "fixed:3"], "--policy needs --drafter"),
+    ],
+)
+def test_bad_drafter_or_policy_is_a_one_line_error(extra, message, monkeypatch, tmp_path, shared_target,
+                                                   random_drafter_dir):
+    import dspark_jax.drafters as drafters
+
+    monkeypatch.setattr(drafters, "_ROOT", tmp_path / "no_shipped_drafters")  # as before they ship
+    (tmp_path / "empty").mkdir()
+    paths = {"{empty}": str(tmp_path / "empty"), "{drafter}": str(random_drafter_dir)}
+    if "{tiny}" in extra:
+        paths["{tiny}"] = _tiny_target_drafter(tmp_path / "tiny")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "Hi", *[paths.get(a, a) for a in extra]])
+    text = str(exit_info.value.code)
+    assert message in text and "\n" not in text
+
+
+def test_threshold_policy_needs_a_confidence_head():
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+    from dspark_jax.eval.compare import policy_for
+    from tests.tiny import tiny_config
+
+    dflash = DrafterConfig.dflash(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0, block_size=5)
+    policy, note = policy_for(dflash, ThresholdPolicy(0.5))
+    assert policy == FixedPolicy(5) and "no confidence head" in note
+    dspark = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
+    assert policy_for(dspark, ThresholdPolicy(0.5)) == (ThresholdPolicy(0.5), None)
+
+
+def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
+    spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "scripts" / "bench_speculative.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"),
+            "--drafter", str(random_drafter_dir), "--max-new-tokens", "4", "--out", str(out)]
+    assert script.main(argv) == 0
+    data = json.loads(out.read_text())
+    summary_line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary_line == data["summary"]
+    assert set(data["summary"]) == {"identical", "speedup", "tau"}  # no tau_ratio without a dflash drafter
+    assert data["summary"]["identical"] is True
+    assert set(data["summary"]["speedup"]) == {"math", "code", "chat"}
+    assert set(data["summary"]["tau"]) == {"random_dspark"}
+    assert data["settings"]["prompts_per_domain"] == 2 and data["settings"]["max_new_tokens"] == 4
+    assert data["machine"]["backend"] and data["compiles_while_timing"] == 0
+    for domain in ("math", "code", "chat"):
+        d = data["results"]["random_dspark"]["domains"][domain]
+        assert d["prompts"] == 2 and d["identical"] is True and d["differing_prompts"] == []
+        assert d["speedup"] > 0 and d["tau"] >= 1.0 and 0.0 <= d["acceptance_rate"] <= 1.0
+        assert len(d["per_position_acceptance"]) == 7 and sum(d["width_histogram"].values()) == d["rounds"]
+        split = d["time_split"]
+        assert 0 < split["draft_s"] and 0 < split["verify_s"]
+        assert split["draft_s"] + split["verify_s"] <= d["decode_s"]["speculative"]
+        assert d["tokens_per_s"]["target_only"] > 0 and d["tokens_per_s"]["speculative"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0

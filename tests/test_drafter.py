@@ -153,7 +153,7 @@ def test_reduced_head_starts_from_the_target_rows():
     cfg, drafter = make(reduced=True)
     embed = head()
     drafter.init_draft_head(embed)
-    np.testing.assert_array_equal(drafter.draft_head.weight[...], np.asarray(embed)[DRAFT_IDS])
+    np.testing.assert_array_equal(drafter.draft_head.linear.weight[...], np.asarray(embed)[DRAFT_IDS])
     with pytest.raises(ValueError, match="distinct target ids"):
         Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.zeros(len(DRAFT_IDS), int))
     with pytest.raises(ValueError, match="draft_vocab_ids of shape"):

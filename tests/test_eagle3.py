@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dspark_jax.config import DrafterConfig
+from dspark_jax.config import DrafterConfig, SamplingConfig
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from tests.tiny import tiny_config
 
@@ -92,3 +92,38 @@ def test_ttt_loss_gradients_and_value(setup):
     np.testing.assert_allclose(metrics["step_loss"][1], total / SEQ, rtol=1e-4)
     weights = cfg.ttt_step_decay ** np.arange(STEPS)
     np.testing.assert_allclose(loss, (weights * np.asarray(metrics["step_loss"])).sum(), rtol=1e-5)
+
+
+def test_reduced_head_loss_and_proposal(setup):
+    """A reduced-vocabulary EAGLE-3 head: the lse-based loss equals the full-logit one, and
+    proposals are draft-vocabulary tokens with q zero elsewhere."""
+    from dspark_jax.drafter.heads import DraftBlock
+    from dspark_jax.sampling import SamplingParams
+    from dspark_jax.training.losses import TrainBatch, eagle3_loss
+
+    cfg, _, embed, feats, tokens, _ = setup
+    ids = np.arange(0, cfg.vocab_size, 2)
+    reduced_cfg = DrafterConfig.eagle3(tiny_config(qk_norm=True, num_layers=4), tap_layers=(0, 2), mask_token_id=5,
+                                       block_size=STEPS, draft_vocab_size=ids.size)
+    model = Eagle3Drafter(reduced_cfg, rngs=nnx.Rngs(0), draft_vocab_ids=ids)
+    model.init_draft_head(embed)
+    np.testing.assert_array_equal(model.draft_head.linear.weight[...], np.asarray(embed)[ids])
+    target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
+    lse = jax.nn.logsumexp(target_hidden @ embed.T, axis=-1)
+    mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
+    anchors = (jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))
+    full = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors))
+    via_lse = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors, lse))
+    np.testing.assert_allclose(via_lse[0], full[0], rtol=1e-5)
+    np.testing.assert_allclose(via_lse[1]["accept_rate"], full[1]["accept_rate"], rtol=1e-5)
+
+    context = model.new_context(1, 32)
+    context = model.extend_context(embed, context, feats[:, :6], tokens[:, 1:7], jnp.asarray([6]))
+    params = SamplingParams.from_configs([SamplingConfig(temperature=1.0)])
+    block, confidence = model.propose(embed, embed, context, tokens[:, 6], params,
+                                      jax.random.split(jax.random.PRNGKey(7), STEPS)[None])
+    assert isinstance(block, DraftBlock) and confidence is None
+    assert np.isin(np.asarray(block.tokens_BxG), ids).all()
+    q = np.asarray(block.q_BxGxV)
+    np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
+    assert (q[..., 1::2] == 0).all()

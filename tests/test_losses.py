@@ -251,6 +251,31 @@ def test_reduced_vocab_scatter_and_ce_exclusion():
     assert float(m["ce_excluded"]) == ref["excluded"] > 0
 
 
+def test_target_lse_path_equals_full_target_logits():
+    """Target logits over the draft vocab + the full logsumexp give the full-logit losses."""
+    rng = np.random.default_rng(3)
+    v, n = 9, 5
+    for d2t in (rng.permutation(v)[:n], None):
+        width = v if d2t is None else n
+        draft = jnp.asarray(rng.normal(size=(2, 3, width)), jnp.float32)
+        target = jnp.asarray(rng.normal(size=(2, 3, v)) * 2, jnp.float32)
+        labels = jnp.asarray(rng.integers(0, v, size=(2, 3)))
+        mask = jnp.asarray(rng.random((2, 3)) < 0.8)
+        conf = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+        cfg = make_cfg(vocab_size=v)
+        d2t_j = None if d2t is None else jnp.asarray(d2t)
+        full = block_losses(draft, target, labels, mask, conf, cfg, d2t_j)
+        in_vocab = target if d2t is None else target[..., d2t]
+        lse = jax.nn.logsumexp(target, axis=-1)
+        restricted = block_losses(draft, in_vocab, labels, mask, conf, cfg, d2t_j, lse)
+        for key in full:
+            np.testing.assert_allclose(restricted[key], full[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        # A wrong lse (the draft-vocab-only normaliser) changes the TV term: the test has power.
+        wrong = block_losses(draft, in_vocab, labels, mask, conf, cfg, d2t_j, jax.nn.logsumexp(in_vocab, -1))
+        if d2t is not None:
+            assert abs(float(wrong["tv_num"]) - float(full["tv_num"])) > 1e-3
+
+
 def test_reduced_vocab_needs_d2t():
     with pytest.raises(ValueError, match="d2t_N"):
         run_losses(np.zeros((1, 2, 2)), np.zeros((1, 2, 4)), np.zeros((1, 2), int),
@@ -337,14 +362,14 @@ def _chunk_problem(chunk):
         w_draft, w_conf = params
         sl = lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)  # noqa: E731
         hh = sl(h)
-        return hh @ w_draft, hh @ w_target, sl(labels), sl(mask), hh @ w_conf
+        return hh @ w_draft, hh @ w_target, sl(labels), sl(mask), hh @ w_conf, None
 
     def chunked(params):
         parts = chunked_block_losses(lambda s: compute(params, s, chunk), a, chunk, cfg)
         return combine(parts, cfg)
 
     def unchunked(params):
-        return combine(block_losses(*compute(params, 0, a), cfg), cfg)
+        return combine(block_losses(*compute(params, 0, a)[:5], cfg), cfg)
 
     return params, chunked, unchunked, (b, a, g, v)
 

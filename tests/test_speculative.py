@@ -18,9 +18,8 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
-from dspark_jax.models.target import TargetModel
 from tests.prompts import mixed_prompts
-from tests.tiny import tiny_target
+from tests.tiny import sharp_tiny_target
 
 GAMMA = 7
 
@@ -156,12 +155,7 @@ def test_parse_policy():
 
 @pytest.fixture(scope="module")
 def tiny():
-    target = tiny_target(seed=3, vocab_size=12, num_layers=4)
-    # Sharpen the (tied) head: random init gives near-uniform distributions, under which a wrong
-    # acceptance rule is nearly invisible; peaked p and q give the test its power.
-    module = target.module()
-    module.embed[...] = module.embed[...] * 40.0
-    target = TargetModel.from_module(module)
+    target = sharp_tiny_target()
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5, block_size=3, markov_rank=4)
     return target, Drafter(cfg, rngs=nnx.Rngs(1))
 

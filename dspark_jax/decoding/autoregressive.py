@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.models.target import TargetModel
+from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 CACHE_LEN_MULTIPLE = 128
@@ -132,10 +132,20 @@ def prepare_requests(
 
 
 class AutoregressiveGenerator:
-    """Jitted prefill + decode step over a target, and a host loop that drives them."""
+    """Jitted prefill + decode step over a target, and a host loop that drives them.
 
-    def __init__(self, target: TargetModel):
-        self.target = target
+    ``target`` is anything implementing ``dspark_jax.decoding.target_protocol.SpeculativeTarget``.
+    ``step_width > 1`` runs every decode step as a ``[B, step_width]`` forward (the new token
+    first, padding after, logits at every position): the same target forward, cache length
+    included, as a speculative verify of that width, so its greedy output is what
+    ``SpeculativeDecoder(..., strict=True)`` reproduces token for token (``docs/EXACTNESS.md``).
+    It costs a wider forward per token; the default ``1`` is the fast baseline.
+    """
+
+    def __init__(self, target: SpeculativeTarget, *, step_width: int = 1):
+        if step_width < 1:
+            raise ValueError(f"step_width must be >= 1, got {step_width}")
+        self.target, self.step_width = target, step_width
 
         def prefill(params, cache, tokens_BxP, prompt_lens_B, keys_B, sampling):
             out = target.apply(
@@ -145,14 +155,21 @@ class AutoregressiveGenerator:
             return first, out.cache
 
         def decode_step(params, cache, tokens_B, active_B, step_B, keys_B, sampling):
-            out = target.apply(
-                params,
-                tokens_B[:, None],
-                cache,
-                n_new_B=active_B.astype(jnp.int32),
-                logits_at_B=jnp.zeros_like(step_B),
-            )
-            return sample(out.logits, sampling, step_keys(keys_B, step_B)), out.cache
+            if step_width == 1:
+                out = target.apply(
+                    params,
+                    tokens_B[:, None],
+                    cache,
+                    n_new_B=active_B.astype(jnp.int32),
+                    logits_at_B=jnp.zeros_like(step_B),
+                )
+                logits = out.logits
+            else:
+                # Strict: a verify-shaped forward (all positions' logits); only token 0 is real.
+                padded = jnp.zeros((tokens_B.shape[0], step_width), jnp.int32).at[:, 0].set(tokens_B)
+                out = target.apply(params, padded, cache, n_new_B=active_B.astype(jnp.int32))
+                logits = out.logits[:, 0]
+            return sample(logits, sampling, step_keys(keys_B, step_B)), out.cache
 
         # The cache is donated: every layer's K/V buffer is updated in place.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
@@ -173,8 +190,14 @@ class AutoregressiveGenerator:
         jax.block_until_ready(token_B)
         return time.perf_counter() - start
 
+    @property
+    def slack(self) -> int:
+        """Cache slots reserved past prompt + new tokens: as many as ``SpeculativeDecoder`` reserves
+        for a verify of this width, so that both use the same cache length."""
+        return 0 if self.step_width == 1 else self.step_width
+
     def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
-        return cache_len(prompt_lens, max_new_tokens, self.target.cfg.max_position_embeddings)
+        return cache_len(prompt_lens, max_new_tokens, self.target.cfg.max_position_embeddings, self.slack)
 
     def generate(
         self,
@@ -199,7 +222,7 @@ class AutoregressiveGenerator:
             return GenerationResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0)
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
-        requests.check_fits(max_new_tokens, 0, max_len)
+        requests.check_fits(max_new_tokens, self.slack, max_len)
         params, keys, lens = requests.params, requests.keys_B, requests.lens
         stops = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
         cache = self.target.new_cache(batch, max_len)

@@ -2,13 +2,15 @@
 
 One round per call pair, all shapes static:
 
-1. ``draft`` (jitted once): the drafter proposes γ tokens per slot from its context cache, with
-   the draft distribution ``q`` and per-slot confidence; a policy turns that into a per-request
-   verify length ``ℓ_r ∈ [0, γ]`` (data, not a shape).
+1. ``draft`` (jitted once): the drafter (DSpark/DFlash or EAGLE-3, through
+   ``dspark_jax.drafter.interface``) proposes γ tokens per slot from its context, with the draft
+   distribution ``q`` and per-slot confidence (if it has a head); a policy turns that into a
+   per-request verify length ``ℓ_r ∈ [0, γ]`` (data, not a shape).
 2. ``verify`` (jitted once per width ``W`` in ``verify_widths``): the target scores
    ``[anchor, x_1..x_{W-1}]`` per row (only the first ``ℓ_r + 1`` count), ``verify.verify``
    accepts a prefix and adds one token, the target cache keeps ``anchor + accepted`` (by moving
-   lengths) and the drafter's context grows by the same rows of tapped features.
+   lengths) and the drafter's context grows by the same rows of tapped features, each with the
+   committed token after it.
 
 The host picks ``W`` as the smallest bucket ``>= max ℓ + 1`` so that verifying fewer tokens costs
 less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +29,16 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.decoding.autoregressive import bucket, cache_len, prepare_requests
+from dspark_jax.decoding.autoregressive import (
+    AutoregressiveGenerator,
+    bucket,
+    cache_len,
+    prepare_requests,
+)
+from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
-from dspark_jax.drafter.backbone import ContextCache
-from dspark_jax.drafter.model import Drafter
+from dspark_jax.drafter.interface import SpeculativeDrafter
 from dspark_jax.eval.metrics import per_position_acceptance, width_histogram
-from dspark_jax.models.kv_cache import KVCache
-from dspark_jax.models.target import TargetModel
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 
@@ -90,10 +95,79 @@ def stop_id_array(stop_ids: Sequence[int]) -> jax.Array:
 
 
 class DecodeState(NamedTuple):
-    target_cache: KVCache
-    context: ContextCache
+    target_cache: Any  # the target's cache (dspark_jax.decoding.target_protocol.TargetCache)
+    context: Any  # the drafter's own pytree (dspark_jax.drafter.interface)
     anchor_B: jax.Array  # int32: the last committed token (not yet in the target cache)
     round_B: jax.Array  # int32: rounds so far per request (for PRNG streams)
+
+
+# ------------------------------------------------------------------------------------------
+# One round as pure functions. ``target`` follows dspark_jax.decoding.target_protocol and is only
+# used through ``apply``/``embedding_and_head`` with the ``params`` passed in; ``drafter`` is a
+# live drafter module (inside a jitted function: ``nnx.merge(graph, drafter_state)`` of its
+# state argument). So each step is a pure function of (target params, drafter state, decode
+# state, inputs) that any ``jax.jit`` can trace; ``SpeculativeDecoder`` jits exactly these.
+
+
+def prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling):
+    """Prompts (right-padded, ``lens_B`` real) through the target: the first token per row and
+    the decode state (target cache, drafter context, anchor = that token)."""
+    out = target.apply(
+        params, tokens_BxP, cache, n_new_B=lens_B, logits_at_B=lens_B - 1, tap_layers=drafter.cfg.tap_layers
+    )
+    first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(lens_B)))
+    embed, _ = target.embedding_and_head(params)
+    # The token after each prompt position: the prompt's next one, then the first sample.
+    last_BxP = jnp.arange(tokens_BxP.shape[1]) == (lens_B - 1)[:, None]
+    next_tokens = jnp.where(last_BxP, first[:, None], jnp.roll(tokens_BxP, -1, axis=1))
+    context = drafter.extend_context(embed, context, out.taps, next_tokens, lens_B)
+    state = DecodeState(out.cache, context, first, jnp.zeros_like(lens_B))
+    return first, state
+
+
+def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B):
+    """The drafter's block after each anchor and the policy's verify lengths (0 for inactive rows)."""
+    gamma = drafter.cfg.block_size
+    embed, lm_head = target.embedding_and_head(params)
+    round_keys = step_keys(keys_B, 2 * state.round_B + 1)
+    slot_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(round_keys)
+    block, confidence = drafter.propose(
+        embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
+    )
+    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma), active_B.shape)
+    return block, jnp.where(active_B, lengths, 0)
+
+
+def verify_step(target, drafter, params, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
+    """The target scores ``[anchor, x_1..x_{width-1}]`` (``lengths_B <= width - 1`` count), the
+    verdict, and the committed state: cache and context advanced by ``accepted + 1`` per active row."""
+    tokens = jnp.concatenate([state.anchor_B[:, None], block.tokens_BxG], axis=1)[:, :width]
+    out = target.apply(params, tokens, state.target_cache, tap_layers=drafter.cfg.tap_layers)
+    verdict = verify(
+        block.tokens_BxG, block.q_BxGxV, out.logits, lengths_B, sampling,
+        step_keys(keys_B, 2 * state.round_B + 2), stop_ids,
+    )
+    committed = jnp.where(active_B, verdict.num_accepted_B + 1, 0)
+    cache = out.cache.rollback(state.target_cache.lengths_B + committed)
+    # Row j's next token is emitted[j]; -1 pads past the commit, where any id will do.
+    next_tokens = jnp.maximum(verdict.emitted_BxE[:, : tokens.shape[1]], 0)
+    embed, _ = target.embedding_and_head(params)
+    context = drafter.extend_context(embed, state.context, out.taps, next_tokens, committed)
+    anchor = jnp.take_along_axis(verdict.emitted_BxE, verdict.num_accepted_B[:, None], axis=1)[:, 0]
+    anchor = jnp.where(active_B, anchor, state.anchor_B)
+    new_state = DecodeState(cache, context, anchor, state.round_B + active_B.astype(jnp.int32))
+    return verdict, new_state
+
+
+def speculative_round(target, drafter, policy, params, state, keys_B, sampling, active_B, stop_ids, *, width):
+    """Draft -> verify -> commit in one call at a fixed (static) ``width``; verify lengths are
+    capped at ``width - 1``. Returns ``(verdict, lengths_B, new_state)``."""
+    block, lengths = draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B)
+    lengths = jnp.minimum(lengths, width - 1)
+    verdict, new_state = verify_step(
+        target, drafter, params, state, block, lengths, keys_B, sampling, active_B, stop_ids, width=width
+    )
+    return verdict, lengths, new_state
 
 
 @dataclasses.dataclass
@@ -106,6 +180,11 @@ class SpeculativeResult:
     accepted_per_round: list[np.ndarray]  # per round: accepted drafts per active request
     verify_lengths: list[np.ndarray]  # per round: ℓ per active request
     verify_widths: list[int]
+    # Decode-loop wall time split, host-timed at the syncs the loop already makes: ``draft_s``
+    # runs until the verify lengths reach the host (the draft call has finished), ``verify_s``
+    # until the verdict does; the rest of ``decode_s`` is host bookkeeping.
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     def per_position_acceptance(self, gamma: int) -> np.ndarray:
         if not self.accepted_per_round:
@@ -126,61 +205,58 @@ class SpeculativeResult:
 
 
 class SpeculativeDecoder:
+    """Jitted prefill / draft / verify steps (the module-level pure functions) and a host loop.
+
+    ``target`` is anything implementing ``dspark_jax.decoding.target_protocol.SpeculativeTarget``.
+    ``strict=True`` verifies every round at one width (the narrowest ``>= γ + 1``); greedy output is then
+    token-identical to ``self.reference_generator()`` (target-only decoding whose steps are
+    forwards of that same width), whatever the drafter. The default picks the cheapest width per
+    round, and can differ from plain target-only greedy decoding on exact near-ties
+    (``docs/EXACTNESS.md``).
+    """
+
     def __init__(
         self,
-        target: TargetModel,
-        drafter: Drafter,
+        target: SpeculativeTarget,
+        drafter: SpeculativeDrafter,
         *,
         policy=FixedPolicy(7),
         verify_widths: Sequence[int] = (1, 2, 4, 8),
+        strict: bool = False,
     ):
         drafter.cfg.check_target(target.cfg)
-        self.target, self.cfg, self.policy = target, drafter.cfg, policy
+        self.target, self.cfg, self.policy, self.strict = target, drafter.cfg, policy, strict
         gamma = self.cfg.block_size
         self.verify_widths = tuple(sorted(set(int(w) for w in verify_widths if w >= 1)))
         if not self.verify_widths or self.verify_widths[-1] < gamma + 1:
             # Some bucket must fit a full block: [anchor, x_1..x_γ].
             self.verify_widths = tuple(sorted(set(self.verify_widths) | {gamma + 1}))
+        if strict:
+            # One verify program for every round (the narrowest that fits a block), the one the
+            # reference generator steps with.
+            self.verify_widths = (next(w for w in self.verify_widths if w >= gamma + 1),)
+        self._feature_dtype = feature_dtype(target)
         # The policy is baked into the jitted draft step: build a new decoder to change it.
         self.drafter_graph, self.drafter_state = nnx.split(drafter)
-        taps = self.cfg.tap_layers
+        self._new_context = drafter.new_context
+        if not self.cfg.confidence_head:
+            # A policy that needs confidence fails here, not at the first draft.
+            jax.eval_shape(lambda: policy.lengths(None, gamma))
+        graph = self.drafter_graph
 
         def prefill(params, drafter_state, cache, context, tokens_BxP, lens_B, keys_B, sampling):
-            out = target.apply(
-                params, tokens_BxP, cache, n_new_B=lens_B, logits_at_B=lens_B - 1, tap_layers=taps
+            return prefill_step(
+                target, nnx.merge(graph, drafter_state), params, cache, context, tokens_BxP, lens_B, keys_B, sampling
             )
-            first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(lens_B)))
-            drafter_ = nnx.merge(self.drafter_graph, drafter_state)
-            context = drafter_.backbone.extend_context(context, out.taps, lens_B)
-            state = DecodeState(out.cache, context, first, jnp.zeros_like(lens_B))
-            return first, state
 
         def draft(params, drafter_state, state, keys_B, sampling, active_B):
-            drafter_ = nnx.merge(self.drafter_graph, drafter_state)
-            embed, lm_head = target.embedding_and_head(params)
-            round_keys = step_keys(keys_B, 2 * state.round_B + 1)
-            slot_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(round_keys)
-            block, confidence = drafter_.propose(
-                embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
-            )
-            lengths = jnp.broadcast_to(policy.lengths(confidence, gamma), active_B.shape)
-            return block, jnp.where(active_B, lengths, 0)
+            return draft_step(target, nnx.merge(graph, drafter_state), policy, params, state, keys_B, sampling, active_B)
 
         def verify_commit(params, drafter_state, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
-            drafter_ = nnx.merge(self.drafter_graph, drafter_state)
-            tokens = jnp.concatenate([state.anchor_B[:, None], block.tokens_BxG], axis=1)[:, :width]
-            out = target.apply(params, tokens, state.target_cache, tap_layers=taps)
-            verdict = verify(
-                block.tokens_BxG, block.q_BxGxV, out.logits, lengths_B, sampling,
-                step_keys(keys_B, 2 * state.round_B + 2), stop_ids,
+            return verify_step(
+                target, nnx.merge(graph, drafter_state), params, state, block, lengths_B, keys_B, sampling,
+                active_B, stop_ids, width=width,
             )
-            committed = jnp.where(active_B, verdict.num_accepted_B + 1, 0)
-            cache = out.cache.rollback(state.target_cache.lengths_B + committed)
-            context = drafter_.backbone.extend_context(state.context, out.taps, committed)
-            anchor = jnp.take_along_axis(verdict.emitted_BxE, verdict.num_accepted_B[:, None], axis=1)[:, 0]
-            anchor = jnp.where(active_B, anchor, state.anchor_B)
-            new_state = DecodeState(cache, context, anchor, state.round_B + active_B.astype(jnp.int32))
-            return verdict, new_state
 
         self._prefill = jax.jit(prefill, donate_argnums=(2, 3))
         self._draft = jax.jit(draft)
@@ -195,7 +271,7 @@ class SpeculativeDecoder:
         active = jnp.asarray(np.ones(batch, bool))
         _, state = self._prefill(
             self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            ContextCache.create(self.cfg, batch, max_len, self.target.params[0].dtype),
+            self._new_context(batch, max_len, self._feature_dtype),
             jnp.asarray(np.zeros((batch, bucket(prompt_len)), np.int32)),
             jnp.asarray([1] * batch, jnp.int32), keys, params,
         )
@@ -208,6 +284,11 @@ class SpeculativeDecoder:
             )
         jax.block_until_ready(state)
         return time.perf_counter() - start
+
+    def reference_generator(self) -> AutoregressiveGenerator:
+        """Target-only decoding that this decoder's greedy output equals token for token in
+        strict mode (steps as wide as the verify forward, the same cache length)."""
+        return AutoregressiveGenerator(self.target, step_width=self.verify_widths[-1] if self.strict else 1)
 
     def width_for(self, max_length: int) -> int:
         return next(w for w in self.verify_widths if w >= max_length + 1)
@@ -237,7 +318,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         first, state = self._prefill(
             self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            ContextCache.create(self.cfg, batch, max_len, self.target.params[0].dtype),
+            self._new_context(batch, max_len, self._feature_dtype),
             jnp.asarray(requests.padded_BxP), jnp.asarray(requests.lens, jnp.int32), keys, params,
         )
         first = np.asarray(first)
@@ -253,10 +334,14 @@ class SpeculativeDecoder:
                 active[row] = False
         accepted_log, lengths_log, widths = [], [], []
         start = time.perf_counter()
+        draft_s = verify_s = 0.0
         while active.any():
+            t_draft = time.perf_counter()
             active_j = jnp.asarray(active)
             block, lengths = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
-            lengths_np = np.asarray(lengths)
+            lengths_np = np.asarray(lengths)  # waits for the draft call
+            t_verify = time.perf_counter()
+            draft_s += t_verify - t_draft
             width = self.width_for(int(lengths_np[active].max()))
             verdict, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params,
@@ -266,6 +351,7 @@ class SpeculativeDecoder:
             num = np.asarray(verdict.num_emitted_B)
             stopped = np.asarray(verdict.stopped_B)
             accepted_log.append(np.asarray(verdict.num_accepted_B)[active])
+            verify_s += time.perf_counter() - t_verify
             lengths_log.append(lengths_np[active])
             widths.append(width)
             for row in np.flatnonzero(active):
@@ -276,4 +362,7 @@ class SpeculativeDecoder:
                 elif len(out[row]) >= max_new_tokens:
                     active[row] = False
         decode_s = time.perf_counter() - start
-        return SpeculativeResult(out, reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths)
+        return SpeculativeResult(
+            out, reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
+            draft_s=draft_s, verify_s=verify_s,
+        )

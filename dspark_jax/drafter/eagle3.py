@@ -13,11 +13,15 @@ KV cache: the committed (feature, next-token) pairs, then one proposal step per 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
+from dspark_jax.drafter.heads import DraftBlock, scatter_to_target
+from dspark_jax.drafter.model import make_reduced_head
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (
     MASK_VALUE,
@@ -31,10 +35,20 @@ from dspark_jax.models.layers import (
     rope_inverse_frequencies,
     write_cache,
 )
+from dspark_jax.sampling import SamplingParams, probabilities, sample
+
+
+class Eagle3Context(NamedTuple):
+    """The committed pairs ``(F_t, x_{t+1})``, ``t < a`` (``a``: the anchor's position): their K/V
+    at positions ``0..a-1`` and the layer's output at ``a-1``. That output has seen the anchor
+    (paired with ``F_{a-1}``), so it already predicts ``x_{a+1}``, the first draft token."""
+
+    cache: KVCache
+    hidden_BxD: jax.Array
 
 
 class Eagle3Drafter(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab_ids=None):
         b = cfg.backbone
         if b.num_layers != 1:
             raise ValueError(f"the EAGLE-3 drafter has exactly one layer, config asks for {b.num_layers}")
@@ -51,6 +65,8 @@ class Eagle3Drafter(nnx.Module):
         self.post_attn_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         self.mlp = SwiGLU(d, b.intermediate_size, rngs=rngs, dtype=dtype)
         self.final_norm = RMSNorm(d, b.rms_norm_eps, dtype)
+        # EAGLE-3 proper drafts over a reduced vocabulary; without one, the frozen target head.
+        self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)
 
     # ---------------------------------------------------------------------------------------
     # shared pieces
@@ -79,8 +95,20 @@ class Eagle3Drafter(nnx.Module):
     def project_features(self, features_BxTxF):
         return self.fc(features_BxTxF)
 
+    def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
+        if self.draft_head is None:
+            raise ValueError("this drafter has no reduced head")
+        self.draft_head.init_from(lm_head_VxD)
+
+    @property
+    def d2t_N(self) -> jax.Array | None:
+        return None if self.draft_head is None else self.draft_head.d2t_N
+
     def logits(self, hidden_BxTxD, lm_head_VxD):
-        """Full-vocabulary logits through the frozen target head (trainable final norm)."""
+        """Logits over the draft vocabulary: the reduced head, or the frozen target head (both
+        after the trainable final norm)."""
+        if self.draft_head is not None:
+            return self.draft_head(self.final_norm(hidden_BxTxD))
         head = jax.lax.stop_gradient(lm_head_VxD)
         return project(self.final_norm(hidden_BxTxD), head).astype(jnp.float32)
 
@@ -148,3 +176,59 @@ class Eagle3Drafter(nnx.Module):
         hidden = self._finish(g_BxTxD, cached_attention(q, keys, values, positions))
         n_new_B = jnp.full((batch,), steps, jnp.int32) if n_new_B is None else n_new_B
         return hidden, KVCache((keys,), (values,), cache.lengths_B + n_new_B.astype(jnp.int32))
+
+    # ---------------------------------------------------------------------------------------
+    # speculative decoding (the SpeculativeDrafter interface, dspark_jax.drafter.interface)
+
+    def new_context(self, batch: int, max_len: int, dtype=jnp.float32) -> Eagle3Context:
+        return Eagle3Context(self.new_cache(batch, max_len, dtype), jnp.zeros((batch, self.cfg.hidden_size), dtype))
+
+    def extend_context(self, embed_VxD, context: Eagle3Context, features_BxTxF, next_tokens_BxT, n_new_B):
+        """Commit pairs ``(F_t, x_{t+1})`` at positions ``a..a+n-1`` and keep the last one's output."""
+        hidden, cache = self.forward_cached(
+            self.project_features(features_BxTxF), next_tokens_BxT, embed_VxD, context.cache, n_new_B
+        )
+        last = jnp.take_along_axis(hidden, jnp.maximum(n_new_B - 1, 0)[:, None, None], axis=1)[:, 0]
+        last = jnp.where((n_new_B > 0)[:, None], last, context.hidden_BxD)  # nothing committed: keep
+        return Eagle3Context(cache, last.astype(context.hidden_BxD.dtype))
+
+    def propose(
+        self,
+        embed_VxD: jax.Array,
+        lm_head_VxD: jax.Array,
+        context: Eagle3Context,
+        anchor_B: jax.Array,
+        params: SamplingParams,
+        keys_BxG: jax.Array,
+    ) -> tuple[DraftBlock, None]:
+        """γ draft tokens, drawn autoregressively; no confidence head.
+
+        Token 1 comes from the context's last output; step ``k >= 1`` runs the layer on (previous
+        output, ``x_{a+k}``) at position ``a+k-1``, whose K/V row goes into this call's copy of the
+        cache only, so the committed context never holds a speculative row.
+        """
+
+        d2t = self.d2t_N
+
+        def draw(hidden_BxD, keys_B):
+            logits_BxN = self.logits(hidden_BxD, lm_head_VxD)
+            index_B = sample(logits_BxN, params, keys_B)
+            token_B = index_B if d2t is None else d2t[index_B]
+            q_BxV = scatter_to_target(probabilities(logits_BxN, params), d2t, self.cfg.vocab_size)
+            return token_B, logits_BxN, q_BxV
+
+        def step(carry, keys_B):
+            hidden_BxD, cache, token_B = carry
+            out, cache = self.forward_cached(hidden_BxD[:, None], token_B[:, None], embed_VxD, cache)
+            hidden_BxD = out[:, 0].astype(hidden_BxD.dtype)
+            drawn = draw(hidden_BxD, keys_B)
+            return (hidden_BxD, cache, drawn[0]), drawn
+
+        first = draw(context.hidden_BxD, keys_BxG[:, 0])
+        carry = (context.hidden_BxD, context.cache, first[0])
+        _, rest = jax.lax.scan(step, carry, jnp.moveaxis(keys_BxG[:, 1:], 1, 0))
+        tokens_BxG, logits_BxGxN, q_BxGxV = (
+            jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1) for x0, xs in zip(first, rest)
+        )
+        prev_BxG = jnp.concatenate([anchor_B.astype(jnp.int32)[:, None], tokens_BxG[:, :-1]], axis=1)
+        return DraftBlock(tokens_BxG, logits_BxGxN, q_BxGxV, prev_BxG), None

@@ -40,6 +40,42 @@ def select_draft_vocab(token_counts_V: np.ndarray, size: int) -> np.ndarray:
     return np.sort(order[:size]).astype(np.int32)
 
 
+class ReducedHead(nnx.Module):
+    """A trainable LM head over ``N`` chosen target tokens; draft index ``i`` is token ``d2t[i]``."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, draft_vocab_ids, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        ids = np.asarray(draft_vocab_ids if draft_vocab_ids is not None else [], np.int64)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"a reduced head needs a 1-D array of draft_vocab_ids, got shape {ids.shape}")
+        if len(np.unique(ids)) != ids.size or ids.min() < 0 or ids.max() >= vocab_size:
+            raise ValueError(f"draft_vocab_ids must be distinct target ids in [0, {vocab_size})")
+        self.d2t = DraftVocab(jnp.asarray(ids, jnp.int32))
+        self.linear = Linear(hidden_size, ids.size, rngs=rngs, dtype=dtype)
+
+    @property
+    def d2t_N(self) -> jax.Array:
+        return self.d2t[...]
+
+    def init_from(self, lm_head_VxD: jax.Array) -> None:
+        """Start from the target head's rows for the draft tokens."""
+        self.linear.weight[...] = jnp.asarray(lm_head_VxD)[self.d2t[...]].astype(self.linear.weight.dtype)
+
+    def __call__(self, h_xd: jax.Array) -> jax.Array:
+        return self.linear(h_xd).astype(jnp.float32)
+
+
+def make_reduced_head(cfg: DrafterConfig, draft_vocab_ids, rngs: nnx.Rngs, dtype) -> ReducedHead | None:
+    """The config's reduced head, or None for a full-vocabulary drafter."""
+    if cfg.draft_vocab_size is None:
+        if draft_vocab_ids is not None:
+            raise ValueError("draft_vocab_ids given but the config has no draft_vocab_size")
+        return None
+    ids = np.asarray(draft_vocab_ids if draft_vocab_ids is not None else [], np.int64)
+    if ids.shape != (cfg.draft_vocab_size,):
+        raise ValueError(f"a reduced head needs draft_vocab_ids of shape ({cfg.draft_vocab_size},), got {ids.shape}")
+    return ReducedHead(cfg.hidden_size, cfg.vocab_size, ids, rngs=rngs, dtype=dtype)
+
+
 class Drafter(nnx.Module):
     def __init__(
         self,
@@ -55,35 +91,22 @@ class Drafter(nnx.Module):
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype)
         self.markov = make_markov_head(cfg, rngs, dtype)
         self.confidence = make_confidence_head(cfg, rngs, dtype)
-        if cfg.draft_vocab_size is None:
-            if draft_vocab_ids is not None:
-                raise ValueError("draft_vocab_ids given but the config has no draft_vocab_size")
-            self.d2t, self.draft_head = None, None
-        else:
-            ids = np.asarray(draft_vocab_ids if draft_vocab_ids is not None else [], np.int64)
-            if ids.shape != (cfg.draft_vocab_size,):
-                raise ValueError(
-                    f"a reduced head needs draft_vocab_ids of shape ({cfg.draft_vocab_size},), got {ids.shape}"
-                )
-            if len(np.unique(ids)) != ids.size or ids.min() < 0 or ids.max() >= cfg.vocab_size:
-                raise ValueError(f"draft_vocab_ids must be distinct target ids in [0, {cfg.vocab_size})")
-            self.d2t = DraftVocab(jnp.asarray(ids, jnp.int32))
-            self.draft_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, rngs=rngs, dtype=dtype)
+        self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)
 
     def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
         """Start the reduced head from the target head's rows for the draft tokens."""
         if self.draft_head is None:
             raise ValueError("this drafter has no reduced head")
-        self.draft_head.weight[...] = jnp.asarray(lm_head_VxD)[self.d2t[...]].astype(self.draft_head.weight.dtype)
+        self.draft_head.init_from(lm_head_VxD)
 
     @property
     def d2t_N(self) -> jax.Array | None:
-        return None if self.d2t is None else self.d2t[...]
+        return None if self.draft_head is None else self.draft_head.d2t_N
 
     def base_logits(self, h_xd: jax.Array, lm_head_VxD: jax.Array) -> jax.Array:
         """``U = head(h)`` over the draft vocabulary (the full target vocab without a reduced head)."""
         if self.draft_head is not None:
-            return self.draft_head(h_xd).astype(jnp.float32)
+            return self.draft_head(h_xd)
         return project(h_xd, jax.lax.stop_gradient(lm_head_VxD)).astype(jnp.float32)
 
     def _w1(self):
@@ -99,6 +122,15 @@ class Drafter(nnx.Module):
         if self.confidence is not None:
             confidence = self.confidence(h_xGxd, prev_tokens_xG, self._w1())
         return logits, confidence
+
+    # The SpeculativeDrafter interface (dspark_jax.drafter.interface).
+
+    def new_context(self, batch: int, max_len: int, dtype=jnp.float32) -> ContextCache:
+        return ContextCache.create(self.cfg, batch, max_len, dtype)
+
+    def extend_context(self, embed_VxD, context: ContextCache, features_BxTxF, next_tokens_BxT, n_new_B):
+        """Context rows are features only: the tokens reach a block through its anchor."""
+        return self.backbone.extend_context(context, features_BxTxF, n_new_B)
 
     def propose(
         self,

@@ -153,6 +153,16 @@ class TargetModel:
         head = module.embed if module.lm_head is None else module.lm_head.weight
         return module.embed[...], head[...]
 
+    def truncated(self, num_layers: int) -> TargetModel:
+        """The same model keeping only its first ``num_layers`` decoder layers (then the final
+        norm and head): a small but real target for tests and the CI training config."""
+        if not 1 <= num_layers <= self.cfg.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.cfg.num_layers}], got {num_layers}")
+        module = self.module()
+        module.layers = nnx.List(list(module.layers)[:num_layers])
+        module.cfg = dataclasses.replace(self.cfg, num_layers=num_layers)
+        return TargetModel.from_module(module)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache.create(self.cfg, batch, max_len, self.params[0].dtype)
 

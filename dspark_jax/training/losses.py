@@ -125,12 +125,18 @@ def block_losses(
     confidence_logits: jnp.ndarray | None,
     cfg: Any,
     d2t_N: jnp.ndarray | None = None,
+    target_lse: jnp.ndarray | None = None,
 ) -> dict[str, jnp.ndarray]:
     """Additive loss sums for a set of blocks.
 
     Args:
       draft_logits: ``...xGxN`` Markov-corrected draft logits ``Ũ`` (any float dtype; math is f32).
-      target_logits: ``...xGxV`` target logits at the same labels (T = 1, untempered).
+      target_logits: ``...xGxV`` target logits at the same labels (T = 1, untempered); with
+        ``target_lse`` given, ``...xGxN`` target logits over the draft vocabulary only.
+      target_lse: ``...xG`` the target's full-vocabulary ``logsumexp`` at each slot, or ``None``.
+        With it the target's in-vocabulary probabilities are ``exp(logit − lse)`` and its mass
+        outside the draft vocabulary is ``1 − Σ`` of those — the same loss as the full logits
+        give, without the ``[..., V]`` product.
       labels: ``...xG`` int ground-truth tokens, TARGET-vocabulary ids.
       mask: ``...xG`` supervision mask (bool or 0/1), e.g. from :func:`block_label_mask`.
       confidence_logits: ``...xG`` confidence-head logits, or ``None`` (no confidence term).
@@ -151,7 +157,7 @@ def block_losses(
         there is no confidence head.
     """
     n = draft_logits.shape[-1]
-    v = target_logits.shape[-1]
+    v = cfg.vocab_size if target_lse is not None else target_logits.shape[-1]
     gamma = draft_logits.shape[-2]
     if draft_logits.shape[:-1] != target_logits.shape[:-1]:
         raise ValueError(
@@ -163,6 +169,11 @@ def block_losses(
         raise ValueError(f"labels {labels.shape} and mask {mask.shape} must have shape {lead}")
     if confidence_logits is not None and confidence_logits.shape != lead:
         raise ValueError(f"confidence logits {confidence_logits.shape} must have shape {lead}")
+    if target_lse is not None and (target_lse.shape != lead or target_logits.shape[-1] != n):
+        raise ValueError(
+            f"with target_lse {target_lse.shape}, target logits {target_logits.shape} must cover the "
+            f"draft vocabulary ({n}) and the lse must have shape {lead}"
+        )
     d2t = _check_d2t(d2t_N, n, v)
 
     m = (jnp.asarray(mask) != 0).astype(jnp.float32)
@@ -171,13 +182,18 @@ def block_losses(
     # --- distributions (f32) ---
     draft_logp = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)  # ...xGxN
     p_d = jnp.exp(draft_logp)
-    p_t = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)  # ...xGxV
 
     # --- L1 distance over the full target vocab ---
-    if d2t is None:
+    if target_lse is not None:
+        p_t_in = jnp.exp(target_logits.astype(jnp.float32) - target_lse.astype(jnp.float32)[..., None])
+        outside = jnp.clip(1.0 - jnp.sum(p_t_in, axis=-1), 0.0, 1.0)
+        l1 = jnp.sum(jnp.abs(p_d - p_t_in), axis=-1) + outside
+    elif d2t is None:
+        p_t = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)  # ...xGxV
         l1 = jnp.sum(jnp.abs(p_d - p_t), axis=-1)
     else:
         # p_d scattered into V through d2t: Σ_n |p_d[n] − p_t[d2t[n]]| + (p_t mass outside d2t).
+        p_t = jax.nn.softmax(target_logits.astype(jnp.float32), axis=-1)  # ...xGxV
         p_t_in = jnp.take(p_t, d2t, axis=-1)  # ...xGxN
         outside = jnp.ones((v,), jnp.float32).at[d2t].set(0.0)
         l1 = jnp.sum(jnp.abs(p_d - p_t_in), axis=-1) + jnp.sum(p_t * outside, axis=-1)
@@ -284,7 +300,8 @@ def chunked_block_losses(
     """:func:`block_losses` summed over anchor chunks, holding one chunk's logits at a time.
 
     ``compute_chunk(start)`` (``start`` a traced int32 scalar) must return
-    ``(draft_logits, target_logits, labels, mask, confidence_logits_or_None)`` for anchors
+    ``(draft_logits, target_logits, labels, mask, confidence_logits_or_None, target_lse_or_None)``
+    for anchors
     ``[start, start + chunk_size)`` — typically by ``lax.dynamic_slice_in_dim`` of the block
     hidden states and applying the LM heads. It must be a pure JAX function of ``start`` and of
     the arrays it closes over (with Flax NNX, ``nnx.split`` outside and ``nnx.merge`` inside).
@@ -306,8 +323,8 @@ def chunked_block_losses(
 
     @jax.checkpoint
     def one_chunk(start):
-        draft, target, labels, mask, conf = compute_chunk(start)
-        return block_losses(draft, target, labels, mask, conf, cfg, d2t_N)
+        draft, target, labels, mask, conf, lse = compute_chunk(start)
+        return block_losses(draft, target, labels, mask, conf, cfg, d2t_N, lse)
 
     def body(acc, i):
         part = one_chunk(i * jnp.int32(chunk_size))
@@ -333,6 +350,9 @@ class TrainBatch(NamedTuple):
     target_hidden_BxSxD: jnp.ndarray  # the target's post-final-norm hidden state (LM-head input)
     anchors_BxA: jnp.ndarray  # int32 anchor positions
     keep_BxA: jnp.ndarray  # bool: False for padding anchors
+    # The target's full-vocabulary logsumexp per position (target cache ``lse``), or None. With
+    # it, target logits are computed over the draft vocabulary only (see ``block_losses``).
+    target_lse_BxS: jnp.ndarray | None = None
 
 
 def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_size: int):
@@ -352,16 +372,23 @@ def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_si
     mask = block_label_mask(batch.loss_mask_BxS, batch.anchors_BxA, batch.keep_BxA, gamma)
     prev = jnp.concatenate([anchor_tokens[..., None], labels[..., :-1]], axis=-1)
     # The target distribution for label index a+s+1 comes from its hidden state at a+s.
-    target_hidden = _gather_along_seq(batch.target_hidden_BxSxD, batch.anchors_BxA[..., None] + jnp.arange(gamma))
+    source = batch.anchors_BxA[..., None] + jnp.arange(gamma)
+    target_hidden = _gather_along_seq(batch.target_hidden_BxSxD, source)
     frozen_head = jax.lax.stop_gradient(lm_head_VxD)
+    target_lse, target_head = None, frozen_head
+    if batch.target_lse_BxS is not None:
+        target_lse = _gather_along_seq(batch.target_lse_BxS, source)
+        if drafter.d2t_N is not None:
+            target_head = frozen_head[drafter.d2t_N]
 
     def compute_chunk(start):
         def rows(x):
             return jax.lax.dynamic_slice_in_dim(x, start, chunk_size, axis=1)
 
         draft_logits, confidence = drafter.teacher_forced(rows(h), frozen_head, rows(prev))
-        target_logits = project(rows(target_hidden), frozen_head).astype(jnp.float32)
-        return draft_logits, target_logits, rows(labels), rows(mask), confidence
+        target_logits = project(rows(target_hidden), target_head).astype(jnp.float32)
+        lse = None if target_lse is None else rows(target_lse)
+        return draft_logits, target_logits, rows(labels), rows(mask), confidence, lse
 
     parts = chunked_block_losses(
         compute_chunk, batch.anchors_BxA.shape[1], chunk_size, cfg, drafter.d2t_N
@@ -374,24 +401,35 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     """``(loss, metrics)`` of the EAGLE-3 baseline: training-time test over γ steps (spec §8.2).
 
     Step k at index t predicts token ``t + 2 + k`` and is scored by soft cross-entropy against the
-    target's full distribution there (``softmax(head(target_hidden[t + 1 + k]))``), supervised
-    where that token is a response token inside the sequence; each step is normalised by the
-    padded length ``B·S`` (as the reference does) and weighted ``ttt_step_decay ** k``. Each step
-    is rematerialised, so only one step's ``[B, S, V]`` logits are alive at a time.
+    target's distribution there (``softmax(head(target_hidden[t + 1 + k]))``, restricted to the
+    draft vocabulary when the drafter has a reduced head), supervised where that token is a
+    response token inside the sequence; each step is normalised by the padded length ``B·S`` (as
+    the reference does) and weighted ``ttt_step_decay ** k``. Each step is rematerialised, so only
+    one step's ``[B, S, N]`` logits are alive at a time.
     """
     cfg = drafter.cfg
     batch_size, seq = batch.input_ids_BxS.shape
     hidden = drafter.forward_train(embed_VxD, batch.features_BxSxF, batch.input_ids_BxS)
     frozen_head = jax.lax.stop_gradient(lm_head_VxD)
     positions = jnp.arange(seq)
+    d2t = drafter.d2t_N
+    in_vocab_head = frozen_head if d2t is None else frozen_head[d2t]
+
+    def target_probs(source):
+        """``p_t`` over the draft vocabulary (unnormalised there: mass outside it is unreachable)."""
+        hidden_src = batch.target_hidden_BxSxD[:, source]
+        if batch.target_lse_BxS is not None:
+            logits = project(hidden_src, in_vocab_head).astype(jnp.float32)
+            return jnp.exp(logits - batch.target_lse_BxS[:, source][..., None])
+        p_full = jax.nn.softmax(project(hidden_src, frozen_head).astype(jnp.float32), axis=-1)
+        return p_full if d2t is None else p_full[..., d2t]
 
     @jax.checkpoint
     def step_terms(hidden_BxSxD, k):
         source = jnp.clip(positions + 1 + k, 0, seq - 1)
         label = positions + 2 + k
         valid = (label < seq) & (jnp.take(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0)
-        target = project(batch.target_hidden_BxSxD[:, source], frozen_head).astype(jnp.float32)
-        p_t = jax.nn.softmax(target, axis=-1)
+        p_t = target_probs(source)
         log_q = jax.nn.log_softmax(drafter.logits(hidden_BxSxD, lm_head_VxD), axis=-1)
         soft_ce = -(p_t * log_q).sum(-1)
         accept = jnp.minimum(p_t, jnp.exp(log_q)).sum(-1)

@@ -1,0 +1,299 @@
+"""Target-only vs speculative decoding on the same prompts, in one process.
+
+Used by ``dspark bench`` and ``scripts/bench_speculative.py``. Every decoder is compiled for every
+prompt-length bucket and warmed up with one untimed run before anything is timed; the prompts are
+then run one at a time (B=1), target-only first and each speculative decoder right after it on
+the same prompt, so a burst of load from other processes hits all of them alike. Speedup is
+``Σ target-only decode time / Σ speculative decode time`` over the prompts (prefill and
+compilation excluded; an end-to-end ratio with prefill is reported next to it). For greedy
+decoding the speculative output must equal the target-only output token for token; prompts where
+it does not are listed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.config import SamplingConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+from dspark_jax.eval.metrics import per_position_acceptance
+
+DOMAIN_FILES = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs: prompts, drafters, policies
+# --------------------------------------------------------------------------------------------
+
+
+def read_prompts_jsonl(path, limit: int | None = None) -> list[str]:
+    """The first turn of each ``{"turns": [...]}`` line (the paper's MT-Bench protocol)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            turns = json.loads(line)["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: expected a JSON object with a 'turns' list ({error})") from None
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+            raise ValueError(f"{path}:{number}: 'turns' must be a non-empty list of strings")
+        prompts.append(turns[0])
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def load_drafter_spec(spec: str, target_cfg):
+    """``(name, drafter)`` from a shipped drafter name or a checkpoint directory.
+
+    Raises ``ValueError`` / ``FileNotFoundError`` with a message that names the problem (unknown
+    name, drafter not shipped yet, not a checkpoint, does not fit the target).
+    """
+    from dspark_jax.checkpoints.drafter import load_drafter
+    from dspark_jax.drafters import resolve_drafter
+
+    name, path = resolve_drafter(spec)
+    return name, load_drafter(path, target=target_cfg)
+
+
+def policy_for(drafter_cfg, policy):
+    """The policy to run ``drafter_cfg`` with, and a note when it had to differ from ``policy``.
+
+    ``None`` keeps the decoder's default. A confidence-threshold policy needs a confidence head;
+    drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``).
+    """
+    from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+
+    if isinstance(policy, ThresholdPolicy) and not drafter_cfg.confidence_head:
+        gamma = drafter_cfg.block_size
+        return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of threshold:{policy.threshold}"
+    return policy, None
+
+
+def make_decoder(target, drafter, policy):
+    """A decoder for ``policy`` (None: the decoder's default).
+
+    A fixed policy verifies the same number of drafts every round, so only that one verify width
+    is ever used: the decoder gets just it (plus the full-block width it always adds) and its
+    warm-up compiles nothing else. Other policies keep the default width buckets.
+    """
+    import inspect
+
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+
+    if policy is None:
+        default = inspect.signature(SpeculativeDecoder).parameters["policy"].default
+        policy = default if isinstance(default, FixedPolicy) else None
+    kwargs = {} if policy is None else {"policy": policy}
+    if isinstance(policy, FixedPolicy):
+        kwargs["verify_widths"] = (min(policy.k, drafter.cfg.block_size) + 1,)
+    return SpeculativeDecoder(target, drafter, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+
+def _jit_cache_sizes(objects) -> int:
+    """Compiled executables held by the jitted functions of these generators (for the check that
+    nothing compiles while timing)."""
+    total = 0
+    for obj in objects:
+        for value in vars(obj).values():
+            size = getattr(value, "_cache_size", None)
+            if callable(size):
+                total += size()
+    return total
+
+
+@dataclasses.dataclass
+class Run:
+    """One prompt through the baseline and every speculative decoder (best of ``repeats``)."""
+
+    prompt_tokens: int
+    baseline: object  # GenerationResult
+    speculative: dict  # name -> SpeculativeResult
+
+
+class Comparison:
+    """A target-only generator and named speculative decoders over one target, B=1."""
+
+    def __init__(self, target, decoders: dict, *, max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 sampling: SamplingConfig | None = None):
+        self.target, self.decoders = target, dict(decoders)
+        self.baseline = AutoregressiveGenerator(target)
+        self.max_new_tokens, self.stop_ids = max_new_tokens, list(stop_ids)
+        self.sampling = sampling or SamplingConfig()
+        self.max_len_ar = self.max_len_spec = None
+        self.compile_s: dict[str, float] = {}
+        self.compiles_while_timing = 0
+
+    def prepare(self, prompt_lens: Sequence[int]) -> dict[str, float]:
+        """Fix the cache lengths for these prompts, compile every bucket and warm up; returns
+        compile + warm-up seconds per decoder."""
+        import time
+
+        limit = self.target.cfg.max_position_embeddings
+        slack = max((d.verify_widths[-1] for d in self.decoders.values()), default=0)
+        self.max_len_ar = cache_len(prompt_lens, self.max_new_tokens, limit)
+        self.max_len_spec = cache_len(prompt_lens, self.max_new_tokens, limit, slack)
+        buckets = sorted({bucket(n) for n in prompt_lens})
+        # The AR baseline uses the same prefill shapes as generate(): warm up at each bucket's size.
+        start = time.perf_counter()
+        for size in buckets:
+            self.baseline.warmup(1, size, self.max_len_ar)
+        self._warm_run(self.baseline, min(prompt_lens), self.max_len_ar)
+        self.compile_s["target_only"] = time.perf_counter() - start
+        for name, decoder in self.decoders.items():
+            start = time.perf_counter()
+            for size in buckets:
+                decoder.warmup(1, size, self.max_len_spec)
+            self._warm_run(decoder, min(prompt_lens), self.max_len_spec)
+            self.compile_s[name] = time.perf_counter() - start
+        return dict(self.compile_s)
+
+    def _warm_run(self, generator, prompt_len, max_len):
+        """One short untimed generation: exercises the host loop and every transfer once."""
+        generator.generate([[1] * prompt_len], max_new_tokens=min(self.max_new_tokens, 4),
+                           sampling=self.sampling, stop_ids=(), max_len=max_len)
+
+    def run(self, prompts: Sequence[Sequence[int]], *, repeats: int = 1, seed: int = 0, progress=None) -> list[Run]:
+        if self.max_len_ar is None:
+            raise RuntimeError("call prepare() with the prompt lengths first")
+        before = _jit_cache_sizes([self.baseline, *self.decoders.values()])
+        runs = []
+        for index, ids in enumerate(prompts):
+            kwargs = dict(max_new_tokens=self.max_new_tokens, sampling=self.sampling, seeds=[seed + index],
+                          stop_ids=self.stop_ids)
+            best_base, best_spec = None, {}
+            for _ in range(max(repeats, 1)):  # the same seed each time: the same tokens, best time
+                base = self.baseline.generate([ids], max_len=self.max_len_ar, **kwargs)
+                if best_base is None or base.decode_s < best_base.decode_s:
+                    best_base = base
+                for name, decoder in self.decoders.items():
+                    spec = decoder.generate([ids], max_len=self.max_len_spec, **kwargs)
+                    if name not in best_spec or spec.decode_s < best_spec[name].decode_s:
+                        best_spec[name] = spec
+            runs.append(Run(len(ids), best_base, best_spec))
+            if progress is not None:
+                progress(index)
+        self.compiles_while_timing += _jit_cache_sizes([self.baseline, *self.decoders.values()]) - before
+        return runs
+
+
+# --------------------------------------------------------------------------------------------
+# Numbers
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_tokens(tokens_per_request) -> int:
+    """Tokens made by the decode loop: each request's first token comes from prefill."""
+    return sum(max(len(t) - 1, 0) for t in tokens_per_request)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    if list(a) == list(b):
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, labels: Sequence | None = None) -> dict:
+    """Aggregate numbers for decoder ``name`` over ``runs`` (one domain)."""
+    labels = list(labels) if labels is not None else list(range(len(runs)))
+    base = [r.baseline for r in runs]
+    spec = [r.speculative[name] for r in runs]
+    base_decode = sum(r.decode_s for r in base)
+    spec_decode = sum(r.decode_s for r in spec)
+    base_total = base_decode + sum(r.prefill_s for r in base)
+    spec_total = spec_decode + sum(r.prefill_s for r in spec)
+    accepted = [a for r in spec for a in r.accepted_per_round]
+    offered = [v for r in spec for v in r.verify_lengths]
+    accepted_all = np.concatenate(accepted) if accepted else np.zeros(0, int)
+    offered_all = np.concatenate(offered) if offered else np.zeros(0, int)
+    widths: dict[int, int] = {}
+    for r in spec:
+        for width, count in r.width_histogram.items():
+            widths[width] = widths.get(width, 0) + count
+    draft_s = sum(r.draft_s for r in spec)
+    verify_s = sum(r.verify_s for r in spec)
+    differing = []
+    for label, b, s in zip(labels, base, spec):
+        at = first_difference(b.tokens[0], s.tokens[0])
+        if at is not None:
+            differing.append({"prompt": label, "first_difference_at": at,
+                              "target_only_tokens": len(b.tokens[0]), "speculative_tokens": len(s.tokens[0])})
+    base_tokens = _decode_tokens([t for r in base for t in r.tokens])
+    spec_tokens = _decode_tokens([t for r in spec for t in r.tokens])
+    return {
+        "prompts": len(runs),
+        "speedup": _ratio(base_decode, spec_decode),
+        "speedup_with_prefill": _ratio(base_total, spec_total),
+        "tau": float(np.mean(accepted_all + 1)) if accepted_all.size else float("nan"),
+        "per_position_acceptance": per_position_acceptance(accepted_all, offered_all, gamma).tolist()
+        if accepted_all.size else [float("nan")] * gamma,
+        "acceptance_rate": _ratio(float(accepted_all.sum()), float(offered_all.sum())),
+        "mean_verify_length": float(offered_all.mean()) if offered_all.size else float("nan"),
+        "width_histogram": {str(k): v for k, v in sorted(widths.items())},
+        "rounds": int(sum(r.rounds for r in spec)),
+        "tokens": {"target_only": sum(len(r.tokens[0]) for r in base), "speculative": sum(len(r.tokens[0]) for r in spec)},
+        "decode_s": {"target_only": base_decode, "speculative": spec_decode},
+        "prefill_s": {"target_only": sum(r.prefill_s for r in base), "speculative": sum(r.prefill_s for r in spec)},
+        "tokens_per_s": {"target_only": _ratio(base_tokens, base_decode), "speculative": _ratio(spec_tokens, spec_decode)},
+        "time_split": {
+            "draft_s": draft_s,
+            "verify_s": verify_s,
+            "host_s": spec_decode - draft_s - verify_s,
+            "draft_share": _ratio(draft_s, spec_decode),
+            "verify_share": _ratio(verify_s, spec_decode),
+            "ms_per_round": {"draft": 1e3 * _ratio(draft_s, sum(r.rounds for r in spec)),
+                             "verify": 1e3 * _ratio(verify_s, sum(r.rounds for r in spec))},
+        },
+        "identical": (not differing) if greedy else None,
+        "differing_prompts": differing,
+        "per_prompt": [
+            {"prompt": label, "prompt_tokens": r.prompt_tokens, "tokens": len(s.tokens[0]),
+             "finish": s.finish_reasons[0], "target_only_decode_s": b.decode_s, "speculative_decode_s": s.decode_s,
+             "tau": s.tau if s.rounds else None, "rounds": s.rounds}
+            for label, r, b, s in zip(labels, runs, base, spec)
+        ],
+    }
+
+
+def macro(per_domain: dict[str, dict], key: str) -> float:
+    """Unweighted mean over domains of a scalar entry (NaN entries skipped)."""
+    values = [d[key] for d in per_domain.values() if d.get(key) is not None and not math.isnan(d[key])]
+    return float(np.mean(values)) if values else float("nan")
+
+
+def json_clean(value):
+    """JSON-safe copy: NaN / inf become null, numpy scalars become Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): json_clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_clean(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

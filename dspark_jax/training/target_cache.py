@@ -1,0 +1,311 @@
+"""The target cache: the target's own responses and the hidden states drafters train on.
+
+For every training prompt the target answers through its chat template (spec §5.1: drafters
+learn the target's distribution, so the labels are the target's responses, not a dataset's).
+One teacher-forced pass over ``prompt + response`` then records, per token:
+
+* ``features`` — the tapped layers' raw outputs, concatenated (the drafter's context, §1.2);
+* ``hidden`` — the target's post-final-norm hidden state (the LM-head input), so the target's
+  logits can be recomputed at train time with the frozen head (§4.6) instead of being stored;
+* ``lse`` — ``logsumexp`` of the full-vocabulary logits from that stored hidden state. With it a
+  drafter with a reduced head needs target logits only over its draft vocabulary: the target
+  mass outside it is ``1 − Σ_in p``, exactly, without a ``[tokens, V]`` product per step.
+
+Format: a directory with ``manifest.json`` (what produced the cache; a resumed run must match
+it) and ``shard-NNNNN.safetensors`` + ``shard-NNNNN.json`` per ``shard_size`` prompts. A shard
+holds its sequences concatenated (``offsets`` delimits them); floats are bfloat16, the same
+precision DeepSpec stores (hidden states of a bf16-trained model carry no more). At
+SmolLM2-135M with 5 taps that is (5 + 1)·576·2 + 4 + 1 + 4 = 6,921 bytes per token. Prompts map
+to shards by index and a shard is written to a temporary name and renamed when complete, so a
+killed run resumes at the first missing shard, losing and duplicating nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import safetensors.numpy
+from tqdm.auto import tqdm
+
+from dspark_jax.config import SamplingConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+from dspark_jax.models.layers import project
+from dspark_jax.models.target import TargetModel
+
+MANIFEST = "manifest.json"
+FORMAT = "dspark-jax-target-cache"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """Everything that determines the cache's contents (recorded in the manifest)."""
+
+    tap_layers: tuple[int, ...]
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    seed: int = 0
+    min_response_tokens: int = 8
+    shard_size: int = 64
+    batch_size: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+        for name in ("max_new_tokens", "max_prompt_tokens", "shard_size", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"CacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+def _fingerprint(target: TargetModel) -> str:
+    """A cheap identity of the target's weights (config + a strided sample of every array)."""
+    digest = hashlib.sha256(json.dumps(target.cfg.to_dict(), sort_keys=True).encode())
+    for p in target.params:
+        flat = np.asarray(p).reshape(-1)
+        digest.update(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _prompt_digest(prompt_ids: Sequence[Sequence[int]]) -> str:
+    digest = hashlib.sha256()
+    for ids in prompt_ids:
+        digest.update(np.asarray(ids, np.int32).tobytes() + b"|")
+    return digest.hexdigest()[:16]
+
+
+def _teacher_forced_fn(target: TargetModel, tap_layers: tuple[int, ...]):
+    """Jitted ``tokens -> (features, bf16 hidden, lse)`` over right-padded sequences."""
+    last = target.cfg.num_layers - 1
+    taps = tuple(tap_layers) + (last,)
+
+    def run(params, tokens_BxS, lens_B):
+        module = target.module(params)
+        cache = target.new_cache(tokens_BxS.shape[0], tokens_BxS.shape[1])
+        out = module(tokens_BxS, cache, n_new_B=lens_B, logits_at_B=jnp.zeros_like(lens_B), tap_layers=taps)
+        d = target.cfg.hidden_size
+        features, final = out.taps[..., :-d], out.taps[..., -d:]
+        # The stored hidden state is bf16; lse comes from that rounded value so the two agree.
+        hidden = module.final_norm(final).astype(jnp.bfloat16)
+        _, head = target.embedding_and_head(params)
+
+        def row_lse(hidden_SxD):  # one row at a time: [S, V] logits, not [B, S, V]
+            logits = project(hidden_SxD.astype(head.dtype), head).astype(jnp.float32)
+            return jax.nn.logsumexp(logits, axis=-1)
+
+        return features.astype(jnp.bfloat16), hidden, jax.lax.map(row_lse, hidden)
+
+    return jax.jit(run)
+
+
+class TargetCacheWriter:
+    """Builds (or resumes) a target cache for a list of tokenized prompts."""
+
+    def __init__(self, target: TargetModel, spec: CacheSpec, out_dir, *, stop_ids: Sequence[int]):
+        target.cfg.check_tap_layers(spec.tap_layers)
+        self.target, self.spec, self.dir = target, spec, Path(out_dir)
+        self.stop_ids = tuple(int(s) for s in stop_ids)
+        self.generator = AutoregressiveGenerator(target)
+        self.teacher_forced = _teacher_forced_fn(target, spec.tap_layers)
+        # One decode cache length for every batch: the decode step compiles once.
+        self.max_len = cache_len([spec.max_prompt_tokens], spec.max_new_tokens, target.cfg.max_position_embeddings)
+
+    def manifest(self, prompt_ids) -> dict:
+        """What produced the cache, in its JSON form (tuples as lists) so it compares to a read one."""
+        return json.loads(json.dumps({
+            "format": FORMAT,
+            "version": VERSION,
+            "spec": dataclasses.asdict(self.spec),
+            "target_config": self.target.cfg.to_dict(),
+            "target_fingerprint": _fingerprint(self.target),
+            "stop_ids": list(self.stop_ids),
+            "num_prompts": len(prompt_ids),
+            "prompts_digest": _prompt_digest(prompt_ids),
+            "num_shards": -(-len(prompt_ids) // self.spec.shard_size),
+            "hidden_size": self.target.cfg.hidden_size,
+        }))
+
+    def _check_manifest(self, manifest: dict) -> None:
+        path = self.dir / MANIFEST
+        if path.exists():
+            existing = json.loads(path.read_text())
+            if existing != manifest:
+                changed = sorted(k for k in set(existing) | set(manifest) if existing.get(k) != manifest.get(k))
+                raise ValueError(
+                    f"{self.dir} holds a target cache built differently (fields {changed} differ); "
+                    "use another directory or delete it to rebuild"
+                )
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+    def build(
+        self, prompt_ids: Sequence[Sequence[int]], prompt_names: Sequence[str], *, progress: bool = True,
+        num_shards: int | None = None,
+    ) -> Path:
+        """Write every missing shard (only the first ``num_shards`` when given)."""
+        if len(prompt_ids) != len(prompt_names):
+            raise ValueError("need one name per prompt")
+        too_long = [n for n, p in zip(prompt_names, prompt_ids) if len(p) > self.spec.max_prompt_tokens]
+        if too_long:
+            raise ValueError(
+                f"{len(too_long)} prompts exceed max_prompt_tokens={self.spec.max_prompt_tokens} "
+                f"(e.g. {too_long[:3]}); filter them before building the cache"
+            )
+        manifest = self.manifest(prompt_ids)
+        self._check_manifest(manifest)
+        size = self.spec.shard_size
+        shards = range(manifest["num_shards"] if num_shards is None else min(num_shards, manifest["num_shards"]))
+        todo = [i for i in shards if not shard_done(self.dir, i)]
+        total = min(len(prompt_ids), len(shards) * size)
+        bar = tqdm(total=total, desc="target cache", disable=not progress, unit="prompt")
+        bar.update(total - sum(len(prompt_ids[i * size : (i + 1) * size]) for i in todo))
+        for shard in todo:
+            lo = shard * size
+            self._write_shard(shard, prompt_ids[lo : lo + size], prompt_names[lo : lo + size], lo)
+            bar.update(len(prompt_ids[lo : lo + size]))
+        bar.close()
+        return self.dir
+
+    def _respond(self, prompts, first_index: int) -> list[list[int]]:
+        """The target's responses, in batches of ``batch_size`` sorted by prompt length."""
+        spec = self.spec
+        responses: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for lo in range(0, len(order), spec.batch_size):
+            rows = order[lo : lo + spec.batch_size]
+            # Pad the batch with copies so every batch has the same shape (no recompilation).
+            padded = rows + [rows[-1]] * (spec.batch_size - len(rows))
+            result = self.generator.generate(
+                [prompts[i] for i in padded],
+                max_new_tokens=spec.max_new_tokens,
+                sampling=spec.sampling,
+                # Per-prompt seeds: a prompt's response does not depend on its batch.
+                seeds=[spec.seed * 1_000_003 + first_index + i for i in padded],
+                stop_ids=self.stop_ids,
+                max_len=self.max_len,
+            )
+            for i, tokens in zip(rows, result.tokens):
+                responses[i] = tokens
+        return responses
+
+    def _write_shard(self, shard: int, prompts, names, first_index: int) -> None:
+        spec = self.spec
+        responses = self._respond(prompts, first_index)
+        kept = [i for i, r in enumerate(responses) if len(r) >= spec.min_response_tokens]
+        sequences = [list(prompts[i]) + responses[i] for i in kept]
+        arrays = {k: [] for k in ("input_ids", "loss_mask", "features", "hidden", "lse")}
+        for lo in range(0, len(sequences), spec.batch_size):
+            chunk = sequences[lo : lo + spec.batch_size]
+            lens = np.asarray([len(s) for s in chunk], np.int32)
+            width = bucket(int(lens.max()), 64)
+            tokens = np.zeros((spec.batch_size, width), np.int32)
+            for row, seq in enumerate(chunk):
+                tokens[row, : len(seq)] = seq
+            lens_full = np.ones(spec.batch_size, np.int32)
+            lens_full[: len(chunk)] = lens
+            features, hidden, lse = jax.device_get(
+                self.teacher_forced(self.target.params, jnp.asarray(tokens), jnp.asarray(lens_full))
+            )
+            for row, seq in enumerate(chunk):
+                n = len(seq)
+                arrays["input_ids"].append(tokens[row, :n])
+                arrays["features"].append(features[row, :n])
+                arrays["hidden"].append(hidden[row, :n])
+                arrays["lse"].append(lse[row, :n])
+        for i, seq_index in enumerate(kept):
+            mask = np.zeros(len(sequences[i]), np.uint8)
+            mask[len(prompts[seq_index]) :] = 1
+            arrays["loss_mask"].append(mask)
+        lengths = [len(s) for s in sequences]
+        tensors = {
+            "input_ids": _cat(arrays["input_ids"], np.int32, (0,)),
+            "loss_mask": _cat(arrays["loss_mask"], np.uint8, (0,)),
+            "features": _cat(arrays["features"], ml_dtypes.bfloat16, (0, len(spec.tap_layers) * self.target.cfg.hidden_size)),
+            "hidden": _cat(arrays["hidden"], ml_dtypes.bfloat16, (0, self.target.cfg.hidden_size)),
+            "lse": _cat(arrays["lse"], np.float32, (0,)),
+            "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        }
+        meta = {
+            "shard": shard,
+            "prompt_names": [names[i] for i in kept],
+            "dropped": [{"name": names[i], "response_tokens": len(responses[i])} for i in range(len(prompts)) if i not in set(kept)],
+            "response_tokens": [len(responses[i]) for i in kept],
+            "tokens": int(sum(lengths)),
+        }
+        stem = self.dir / f"shard-{shard:05d}"
+        tmp_tensors, tmp_meta = stem.with_suffix(".safetensors.tmp"), stem.with_suffix(".json.tmp")
+        safetensors.numpy.save_file(tensors, str(tmp_tensors))
+        tmp_meta.write_text(json.dumps(meta) + "\n")
+        # Tensors first, metadata last: the .json marks a shard complete.
+        os.replace(tmp_tensors, stem.with_suffix(".safetensors"))
+        os.replace(tmp_meta, stem.with_suffix(".json"))
+
+
+def _cat(parts, dtype, empty_shape):
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(empty_shape, dtype)
+
+
+def shard_done(directory, shard: int) -> bool:
+    stem = Path(directory) / f"shard-{shard:05d}"
+    return stem.with_suffix(".json").exists() and stem.with_suffix(".safetensors").exists()
+
+
+@dataclasses.dataclass
+class CachedSequence:
+    name: str
+    input_ids: np.ndarray  # [S] int32
+    loss_mask: np.ndarray  # [S] uint8: 1 on response tokens
+    features: np.ndarray  # [S, m·d] bfloat16
+    hidden: np.ndarray  # [S, d] bfloat16
+    lse: np.ndarray  # [S] float32
+
+
+def read_manifest(directory) -> dict:
+    path = Path(directory) / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{directory} is not a target cache: no {MANIFEST}")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    return manifest
+
+
+def load_target_cache(directory, num_shards: int | None = None) -> list[CachedSequence]:
+    """Every sequence of the cache's first ``num_shards`` shards (default: all), in prompt order.
+
+    The shards asked for must be complete; taking a prefix lets training start on the shards a
+    still-running build has finished, with the data it used named exactly."""
+    manifest = read_manifest(directory)
+    total = manifest["num_shards"]
+    if num_shards is None:
+        num_shards = total
+    if not 1 <= num_shards <= total:
+        raise ValueError(f"num_shards must be in [1, {total}] for {directory}, got {num_shards}")
+    missing = [i for i in range(num_shards) if not shard_done(directory, i)]
+    if missing:
+        raise ValueError(f"target cache {directory} is incomplete: shards {missing[:5]} missing; rerun to resume")
+    out = []
+    for shard in range(num_shards):
+        stem = Path(directory) / f"shard-{shard:05d}"
+        meta = json.loads(stem.with_suffix(".json").read_text())
+        t = safetensors.numpy.load_file(str(stem.with_suffix(".safetensors")))
+        off = t["offsets"]
+        for i, name in enumerate(meta["prompt_names"]):
+            s = slice(int(off[i]), int(off[i + 1]))
+            out.append(CachedSequence(name, t["input_ids"][s], t["loss_mask"][s], t["features"][s], t["hidden"][s], t["lse"][s]))
+    return out

@@ -1,0 +1,368 @@
+"""Drafter training: prompts -> target cache -> sharded, resumable optax training -> checkpoint.
+
+``run(config)`` is the whole pipeline behind ``dspark train --config configs/NAME.py``:
+
+1. build the prompt mix (``training/data.py``), render it with the target's chat template;
+2. build or resume the target cache (``training/target_cache.py``);
+3. pick the reduced draft vocabulary from the cached responses' token counts;
+4. train with AdamW (warm-up + cosine to 0, global-norm clipping; spec §5.5) on a
+   ``jax.sharding.Mesh`` whose ``data`` axis splits every batch across devices (parameters are
+   replicated: a drafter is a few MB, so data parallelism is the sharding that pays);
+5. save an orbax checkpoint every ``checkpoint_every`` steps and at the end, and export the
+   drafter (``checkpoints/drafter.py``) without the frozen embedding / LM head.
+
+Resume is exact: the data order and the anchors of step ``t`` are functions of ``(seed, t)``
+alone, and the checkpoint holds parameters and optimizer state, so a killed run continues with
+the same loss curve as an uninterrupted one. ``log.jsonl`` gets one line per step (every loss
+term, the analytic acceptance estimate, learning rate, gradient norm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from dspark_jax.checkpoints.drafter import build_drafter, save_drafter
+from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.drafter.model import select_draft_vocab
+from dspark_jax.training.losses import TrainBatch, drafter_loss, eagle3_loss
+from dspark_jax.training.target_cache import (
+    CachedSequence,
+    CacheSpec,
+    TargetCacheWriter,
+    load_target_cache,
+)
+
+LOG_FILE = "log.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. ``drafter`` holds ``DrafterConfig`` fields (``kind`` picks DSpark,
+    DFlash or EAGLE-3 defaults); tap layers come from ``cache.tap_layers``."""
+
+    name: str
+    out_dir: str
+    cache: CacheSpec
+    drafter: dict
+    num_prompts: int = 1000
+    data_seed: int = 0
+    target_layers: int | None = None  # keep only the embedded target's first N layers (tiny_test)
+    steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step, across all devices
+    seq_len: int = 512  # sequences are truncated / padded to this many tokens
+    num_anchors: int = 64  # blocks per sequence (spec §5.4; DeepSpec uses 512 at 4k tokens)
+    anchor_chunk: int = 16  # anchors whose [chunk, γ, V] logits are alive at once
+    learning_rate: float = 6e-4
+    warmup_fraction: float = 0.04
+    clip_norm: float = 1.0
+    seed: int = 42
+    checkpoint_every: int = 100
+    data_parallel: int | None = None  # devices on the mesh's data axis (default: all)
+    storage_dtype: str = "bfloat16"  # of the exported drafter's weights
+    benchmarks_dir: str | None = None  # benchmark prompts the training prompts must not overlap
+    cache_dir: str | None = None  # default: out_dir/cache (configs on one data set share one)
+    cache_shards: int | None = None  # build and train on the cache's first N shards (default: all)
+
+    def __post_init__(self):
+        if isinstance(self.cache, dict):
+            object.__setattr__(self, "cache", CacheSpec(**self.cache))
+        for name in ("steps", "batch_size", "seq_len", "num_anchors", "anchor_chunk", "checkpoint_every", "num_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_anchors % self.anchor_chunk:
+            raise ValueError(f"num_anchors ({self.num_anchors}) must be a multiple of anchor_chunk ({self.anchor_chunk})")
+        if self.seq_len < self.cache.max_prompt_tokens + 2:
+            raise ValueError("seq_len must leave room for response tokens after the longest prompt")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir is not None else Path(self.out_dir) / "cache"
+
+    @property
+    def kind(self) -> str:
+        return self.drafter.get("kind", "dspark")
+
+
+def load_config(path) -> TrainConfig:
+    """A config file is Python that defines ``CONFIG = TrainConfig(...)``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no config file {path}")
+    spec = importlib.util.spec_from_file_location(f"dspark_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = getattr(module, "CONFIG", None)
+    if not isinstance(config, TrainConfig):
+        raise ValueError(f"{path} must define CONFIG = TrainConfig(...)")
+    return config
+
+
+def drafter_config(config: TrainConfig, target: TargetConfig) -> DrafterConfig:
+    fields = {k: v for k, v in config.drafter.items() if k != "kind"}
+    builder = {
+        "dspark": DrafterConfig.for_target,
+        "dflash": DrafterConfig.dflash,
+        "eagle3": DrafterConfig.eagle3,
+    }.get(config.kind)
+    if builder is None:
+        raise ValueError(f"drafter kind must be dspark, dflash or eagle3, got {config.kind!r}")
+    if config.kind != "eagle3":
+        fields = {"num_layers": 1, **fields}
+    return builder(target, tap_layers=config.cache.tap_layers, **fields)
+
+
+# ------------------------------------------------------------------------------------------
+# batches
+
+
+def anchor_candidates(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions ``i`` where token ``i`` and ``i + 1`` are both response tokens (spec §5.4)."""
+    m = np.asarray(loss_mask) != 0
+    return np.flatnonzero(m[:-1] & m[1:])
+
+
+def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator):
+    """Up to ``num_anchors`` candidates uniformly without replacement, ascending; padded with
+    ``(0, keep=False)``."""
+    cands = anchor_candidates(loss_mask)
+    if cands.size > num_anchors:
+        cands = np.sort(rng.choice(cands, num_anchors, replace=False))
+    anchors = np.zeros(num_anchors, np.int32)
+    keep = np.zeros(num_anchors, bool)
+    anchors[: cands.size], keep[: cands.size] = cands, True
+    return anchors, keep
+
+
+class BatchSource:
+    """Deterministic batches: epoch ``e`` shuffles with ``(seed, e)``; step ``t``'s anchors use
+    ``(seed, t)``. Nothing depends on what ran before, which is what makes resume exact."""
+
+    def __init__(self, sequences: list[CachedSequence], config: TrainConfig):
+        if len(sequences) < config.batch_size:
+            raise ValueError(f"the target cache has {len(sequences)} sequences, fewer than batch_size {config.batch_size}")
+        self.seqs, self.cfg = sequences, config
+        self.steps_per_epoch = len(sequences) // config.batch_size
+
+    def rows(self, step: int) -> np.ndarray:
+        epoch, index = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.cfg.seed, epoch]).permutation(len(self.seqs))
+        return order[index * self.cfg.batch_size : (index + 1) * self.cfg.batch_size]
+
+    def batch(self, step: int) -> TrainBatch:
+        cfg = self.cfg
+        s, b = cfg.seq_len, cfg.batch_size
+        first = self.seqs[0]
+        ids = np.zeros((b, s), np.int32)
+        mask = np.zeros((b, s), np.uint8)
+        feats = np.zeros((b, s, first.features.shape[1]), first.features.dtype)
+        hidden = np.zeros((b, s, first.hidden.shape[1]), first.hidden.dtype)
+        lse = np.zeros((b, s), np.float32)
+        anchors = np.zeros((b, cfg.num_anchors), np.int32)
+        keep = np.zeros((b, cfg.num_anchors), bool)
+        rng = np.random.default_rng([cfg.seed, 1, step])
+        for row, index in enumerate(self.rows(step)):
+            seq = self.seqs[index]
+            n = min(len(seq.input_ids), s)
+            ids[row, :n], mask[row, :n] = seq.input_ids[:n], seq.loss_mask[:n]
+            feats[row, :n], hidden[row, :n], lse[row, :n] = seq.features[:n], seq.hidden[:n], seq.lse[:n]
+            anchors[row], keep[row] = sample_anchors(mask[row, :n], cfg.num_anchors, rng)
+        return TrainBatch(ids, mask, feats, hidden, anchors, keep, lse)
+
+
+# ------------------------------------------------------------------------------------------
+# the optimizer step
+
+
+def schedule(config: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to the peak over ``warmup_fraction`` of the steps, then cosine to 0."""
+    warmup = max(1, int(config.warmup_fraction * config.steps))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=config.learning_rate / warmup, peak_value=config.learning_rate,
+        warmup_steps=warmup, decay_steps=max(config.steps, warmup + 1), end_value=0.0,
+    )
+
+
+def optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    # AdamW with torch's defaults and no weight decay, as DeepSpec trains (spec §5.5).
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule(config), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+    )
+
+
+def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation):
+    def loss_fn(params, rest, batch, embed, head):
+        drafter = nnx.merge(graphdef, params, rest)
+        batch = batch._replace(
+            features_BxSxF=batch.features_BxSxF.astype(jnp.float32),
+            target_hidden_BxSxD=batch.target_hidden_BxSxD.astype(jnp.float32),
+        )
+        if config.kind == "eagle3":
+            return eagle3_loss(drafter, embed, head, batch)
+        return drafter_loss(drafter, embed, head, batch, chunk_size=config.anchor_chunk)
+
+    def step(params, opt_state, rest, batch, embed, head):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, embed, head)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_mesh(data_parallel: int | None) -> Mesh:
+    devices = jax.devices()
+    n = len(devices) if data_parallel is None else data_parallel
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"data_parallel={n} but {len(devices)} devices are visible")
+    return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+# ------------------------------------------------------------------------------------------
+# the pipeline
+
+
+def load_target(config: TrainConfig):
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+
+    target, tokenizer = load_embedded_target()
+    if config.target_layers is not None:
+        target = target.truncated(config.target_layers)
+    return target, tokenizer
+
+
+def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> Path:
+    from dspark_jax.training.data import build_prompts, check_against_benchmarks
+
+    prompts = build_prompts(config.num_prompts, seed=config.data_seed)
+    if config.benchmarks_dir is not None:
+        checked = check_against_benchmarks(prompts, config.benchmarks_dir)
+        if progress:
+            print(f"training prompts checked against {checked} benchmark prompts: no overlap")
+    ids, names = [], []
+    for prompt in prompts:
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
+        if len(tokens) <= config.cache.max_prompt_tokens:  # longer prompts are left out, by rule
+            ids.append(tokens)
+            names.append(prompt.id)
+    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
+    return writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+
+
+def draft_vocab(config: TrainConfig, sequences, vocab_size: int) -> np.ndarray | None:
+    """The most frequent response tokens (the reduced head's vocabulary), or None."""
+    size = config.drafter.get("draft_vocab_size")
+    if size is None:
+        return None
+    counts = np.zeros(vocab_size, np.int64)
+    for seq in sequences:
+        counts += np.bincount(seq.input_ids[seq.loss_mask != 0], minlength=vocab_size)
+    return select_draft_vocab(counts, size)
+
+
+def _read_log(path: Path, before_step: int) -> list[str]:
+    if not path.exists():
+        return []
+    return [line for line in path.read_text().splitlines() if json.loads(line)["step"] < before_step]
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in jax.device_get(metrics).items():
+        value = np.asarray(value)
+        out[key] = float(value) if value.ndim == 0 else [float(x) for x in value]
+    return out
+
+
+def train(config: TrainConfig, target, sequences, *, stop_after: int | None = None, progress: bool = True):
+    """Train (resuming from the newest checkpoint in ``out_dir``); returns the trained drafter,
+    or None when ``stop_after`` interrupted the run (what a kill looks like, for tests)."""
+    out = Path(config.out_dir).absolute()
+    cfg = drafter_config(config, target.cfg)
+    drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
+    embed, head = jax.jit(target.embedding_and_head)(target.params)
+    if getattr(drafter, "draft_head", None) is not None:
+        drafter.init_draft_head(head)
+    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+    tx = optimizer(config)
+
+    mesh = make_mesh(config.data_parallel)
+    if config.batch_size % mesh.size:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} data-parallel devices")
+    replicated = NamedSharding(mesh, PartitionSpec())
+    by_row = NamedSharding(mesh, PartitionSpec("data"))
+    params, rest, embed, head = jax.device_put((params, rest, embed, head), replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    manager = ocp.CheckpointManager(
+        out / "checkpoints",
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=config.checkpoint_every, create=True),
+    )
+    start = manager.latest_step() or 0
+    if start:
+        restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+    log_path = out / LOG_FILE
+    kept = _read_log(log_path, start)
+    log_path.write_text("".join(line + "\n" for line in kept))
+
+    source = BatchSource(sequences, config)
+    step_fn = make_train_step(graphdef, config, tx)
+    lr = schedule(config)
+    bar = tqdm(total=config.steps, initial=start, desc=f"train {config.name}", disable=not progress)
+    with log_path.open("a") as log:
+        for step in range(start, config.steps):
+            t0 = time.perf_counter()
+            batch = jax.device_put(source.batch(step), by_row)
+            params, opt_state, metrics = step_fn(params, opt_state, rest, batch, embed, head)
+            record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
+            done = step + 1
+            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                         force=done == config.steps)
+            if stop_after is not None and done == stop_after and done < config.steps:
+                manager.wait_until_finished()
+                bar.close()
+                return None
+    manager.wait_until_finished()
+    bar.close()
+    return nnx.merge(graphdef, params, rest)
+
+
+def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
+    """The whole pipeline; returns the exported drafter directory (None if stopped early)."""
+    target, tokenizer = load_target(config)
+    cache_dir = build_cache(config, target, tokenizer, progress=progress)
+    sequences = load_target_cache(cache_dir, config.cache_shards)
+    start = time.perf_counter()
+    drafter = train(config, target, sequences, stop_after=stop_after, progress=progress)
+    if drafter is None:
+        return None
+    records = [json.loads(line) for line in (Path(config.out_dir) / LOG_FILE).read_text().splitlines()]
+    last = records[-1]
+    summary = {
+        "config": config.name,
+        "steps": config.steps,
+        "sequences": len(sequences),
+        "response_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences)),
+        "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate") if k in last},
+        "train_seconds_this_run": time.perf_counter() - start,
+    }
+    return save_drafter(drafter, Path(config.out_dir) / "drafter", storage_dtype=config.storage_dtype, metadata=summary)

@@ -1,0 +1,297 @@
+#!/usr/bin/env python
+"""Benchmark speculative decoding against target-only decoding on math, code and chat prompts.
+
+On the embedded SmolLM2-135M-Instruct target (fp32), one request at a time (B=1):
+
+- prompts: the first ``--prompts-per-domain`` lines of GSM8K (math), HumanEval (code) and
+  MT-Bench (chat) from ``--benchmarks DIR`` (``gsm8k.jsonl``, ``humaneval.jsonl``,
+  ``mt-bench.jsonl``; one ``{"turns": [...]}`` per line, the first turn, in the chat template);
+- every decoder is compiled for every prompt-length bucket and warmed up before timing; each
+  prompt then runs target-only and right after it through every drafter (``--repeats`` times,
+  the fastest decode counts), so all decoders see the same prompts and the same load;
+- per drafter and domain: speedup = Σ target-only decode time / Σ speculative decode time
+  (compilation and prefill excluded; ``speedup_with_prefill`` next to it), τ (tokens committed
+  per round), per-position conditional acceptance, acceptance rate, verify-width histogram,
+  draft / verify / host time split, tokens/s, and for greedy decoding whether every prompt's
+  output equals target-only output token for token (``differing_prompts`` otherwise);
+- macro numbers are unweighted means over the three domains; ``tau_ratio`` is
+  τ(dspark) / τ(dflash) (macro) when drafters of both kinds ran.
+
+Writes JSON (``--out``) and a PNG of per-position acceptance with the same stem; the last line
+printed is the summary ``{"identical": ..., "speedup": {"math": ..., "code": ..., "chat": ...},
+"tau": {"<drafter>": {...}, ...}}`` (speedup of the first drafter; ``identical`` is null when
+sampling; ``tau_ratio`` is added when it exists).
+
+    .venv/bin/python scripts/bench_speculative.py                       # shipped DSpark drafter
+    .venv/bin/python scripts/bench_speculative.py --compare-baselines   # DSpark, DFlash, EAGLE-3
+    .venv/bin/python scripts/bench_speculative.py --quick --drafter /path/to/drafter_dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
+
+
+def parse_args(argv):
+    from dspark_jax.drafters import SHIPPED
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS),
+                    help="directory with gsm8k.jsonl, humaneval.jsonl, mt-bench.jsonl (default: ../shared/benchmarks)")
+    ap.add_argument("--drafter", action="append", default=None,
+                    help=f"shipped drafter name ({', '.join(SHIPPED)}) or checkpoint directory; repeatable "
+                    "(default: smollm2_135m_dspark)")
+    ap.add_argument("--compare-baselines", action="store_true",
+                    help="also run the three shipped drafters (DSpark, DFlash, EAGLE-3)")
+    ap.add_argument("--policy", default=None,
+                    help="fixed:K or threshold:X (drafters without a confidence head run fixed:γ instead); "
+                    "default: the decoder's (fixed:7)")
+    ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 32)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the identity check needs it)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
+    ap.add_argument("--quick", action="store_true", help="2 prompts per domain, 32 new tokens")
+    ap.add_argument("--out", default="docs/bench_speculative.json", help="JSON output; the PNG goes next to it")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    if args.prompts_per_domain is None:
+        args.prompts_per_domain = 2 if args.quick else 10
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if args.quick else 128
+    for name in ("prompts_per_domain", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    specs = list(args.drafter or [])
+    if args.compare_baselines:
+        specs += [name for name in SHIPPED if name not in specs]
+    args.drafter = specs or [SHIPPED[0]]
+    return args
+
+
+def load_domains(directory: Path, per_domain: int, tokenizer) -> dict:
+    from dspark_jax.eval.compare import DOMAIN_FILES, read_prompts_jsonl
+
+    if not directory.is_dir():
+        raise SystemExit(f"--benchmarks {directory}: not a directory")
+    domains = {}
+    for domain, filename in DOMAIN_FILES.items():
+        try:
+            texts = read_prompts_jsonl(directory / filename, per_domain)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--benchmarks: {error}") from None
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+        domains[domain] = {"file": filename, "texts": texts, "ids": ids}
+    return domains
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    domains = list(next(iter(results.values()))["domains"])
+    fig, axes = plt.subplots(1, len(domains), figsize=(4.2 * len(domains), 3.8), sharey=True)
+    for ax, domain in zip(axes, domains):
+        for name, result in results.items():
+            values = [float("nan") if v is None else v for v in result["domains"][domain]["per_position_acceptance"]]
+            tau = result["domains"][domain]["tau"]
+            label = f"{name} (τ {tau:.2f})" if tau is not None else name
+            ax.plot(range(1, len(values) + 1), values, marker="o", label=label)
+        gamma = max(len(r["domains"][domain]["per_position_acceptance"]) for r in results.values())
+        ax.set_xticks(range(1, gamma + 1))
+        ax.set_xlim(0.5, gamma + 0.5)
+        ax.set_title(domain)
+        ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("P(accept k | 1..k-1 accepted)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tqdm import tqdm
+
+    from dspark_jax.checkpoints.drafter import read_drafter_config
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.drafters import resolve_drafter
+    from dspark_jax.eval.bench import machine_info
+    from dspark_jax.eval.compare import Comparison, json_clean, macro, make_decoder, summarize
+
+    try:
+        sampling = SamplingConfig(temperature=args.temperature)
+    except ValueError as error:
+        raise SystemExit(f"--temperature: {error}") from None
+    policy = parse_policy_arg(args.policy)
+    for spec in args.drafter:  # fail before the target loads
+        check_drafter_arg(spec)
+    if not Path(args.benchmarks).is_dir():
+        raise SystemExit(f"--benchmarks {args.benchmarks}: not a directory")
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    load_avg_start = os.getloadavg()
+    started = time.time()
+    t0 = time.perf_counter()
+    target, tokenizer = load_embedded_target()
+    print(f"loaded target ({target.num_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    domains = load_domains(Path(args.benchmarks), args.prompts_per_domain, tokenizer)
+
+    decoders, drafters = {}, {}
+    for spec in args.drafter:
+        name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True)
+        base, n = name, 2
+        while name in decoders:
+            name, n = f"{base}#{n}", n + 1
+        decoders[name] = make_decoder(target, drafter, chosen)
+        _, source = resolve_drafter(spec)
+        drafters[name] = {
+            "spec": spec,
+            "path": str(source),
+            "kind": drafter.cfg.kind,
+            "block_size": drafter.cfg.block_size,
+            "backbone_layers": drafter.cfg.backbone.num_layers,
+            "tap_layers": list(drafter.cfg.tap_layers),
+            "markov_head": drafter.cfg.markov_head,
+            "confidence_head": drafter.cfg.confidence_head,
+            "draft_vocab_size": drafter.cfg.draft_vocab_size,
+            "policy": policy_text(decoders[name].policy),
+            "policy_note": note,
+            "metadata": read_drafter_config(source)[1],
+        }
+        if note:
+            print(f"note: {name}: {note}", file=sys.stderr)
+
+    comparison = Comparison(target, decoders, max_new_tokens=args.max_new_tokens,
+                            stop_ids=[tokenizer.eos_token_id], sampling=sampling)
+    lens = [len(ids) for d in domains.values() for ids in d["ids"]]
+    total = sum(len(d["ids"]) for d in domains.values())
+    with tqdm(total=total + 1, desc="bench_speculative", file=sys.stderr, dynamic_ncols=True) as bar:
+        bar.set_postfix_str(f"compile + warm-up ({len(decoders) + 1} decoders)")
+        compile_s = comparison.prepare(lens)
+        bar.update(1)
+        runs = {}
+        for domain, data in domains.items():
+            bar.set_postfix_str(domain)
+            runs[domain] = comparison.run(data["ids"], repeats=args.repeats, seed=args.seed,
+                                          progress=lambda _i: bar.update(1))
+
+    results = {}
+    for name, decoder in decoders.items():
+        gamma = decoder.cfg.block_size
+        per_domain = {
+            domain: summarize(runs[domain], name, gamma, greedy=sampling.greedy,
+                              labels=[f"{domain}:{data['file']}:{i}" for i in range(len(data["ids"]))])
+            for domain, data in domains.items()
+        }
+        results[name] = {
+            "domains": per_domain,
+            "macro": {key: macro(per_domain, key) for key in
+                      ("speedup", "speedup_with_prefill", "tau", "acceptance_rate")},
+            "identical": all(d["identical"] for d in per_domain.values()) if sampling.greedy else None,
+        }
+
+    first = next(iter(results))
+    kinds = {}
+    for name, info in drafters.items():
+        kinds.setdefault(info["kind"], name)
+    tau_ratio = None
+    if "dspark" in kinds and "dflash" in kinds:
+        tau_ratio = results[kinds["dspark"]]["macro"]["tau"] / results[kinds["dflash"]]["macro"]["tau"]
+    summary = {
+        "identical": all(r["identical"] for r in results.values()) if sampling.greedy else None,
+        "speedup": {d: round(v["speedup"], 3) for d, v in results[first]["domains"].items()},
+        "tau": {name: {d: round(v["tau"], 3) if v["tau"] == v["tau"] else None for d, v in r["domains"].items()}
+                for name, r in results.items()},
+    }
+    if tau_ratio is not None:
+        summary["tau_ratio"] = round(tau_ratio, 3)
+
+    result = {
+        "summary": summary,
+        "mode": "quick" if args.quick else "full",
+        "started_unix": started,
+        "wall_s": time.time() - started,
+        "machine": machine_info(),
+        "load_avg_start": load_avg_start,
+        "load_avg_end": os.getloadavg(),
+        "settings": {
+            "benchmarks": str(Path(args.benchmarks).resolve()),
+            "files": {d: v["file"] for d, v in domains.items()},
+            "prompts_per_domain": args.prompts_per_domain,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "repeats": args.repeats,
+            "batch": 1,
+            "policy_requested": args.policy,
+            "stop_ids": [tokenizer.eos_token_id],
+            "prompt": "first turn, user message in the chat template",
+            "cache_len": {"target_only": comparison.max_len_ar, "speculative": comparison.max_len_spec},
+        },
+        "target": {"name": "SmolLM2-135M-Instruct (embedded GGUF, dequantized fp32)", "params": target.num_params},
+        "drafters": drafters,
+        "compile_s": compile_s,
+        "compiles_while_timing": comparison.compiles_while_timing,
+        "speedup": {name: {d: v["speedup"] for d, v in r["domains"].items()} | {"macro": r["macro"]["speedup"]}
+                    for name, r in results.items()},
+        "tau_ratio": tau_ratio,
+        "results": results,
+        "method": {
+            "speedup": "sum of target-only decode seconds / sum of speculative decode seconds over the domain's "
+            "prompts (same prompts, same process, B=1; compile + warm-up before timing; prefill excluded, "
+            "speedup_with_prefill includes it); each prompt runs target-only then every drafter, "
+            "best of `repeats`",
+            "tau": "mean over request-rounds of accepted drafts + 1",
+            "per_position_acceptance": "position k: rounds that accepted >= k / rounds that offered >= k "
+            "and accepted >= k-1",
+            "acceptance_rate": "accepted drafts / offered (verified) drafts",
+            "time_split": "host-timed at the loop's existing syncs: draft = until the verify lengths reach "
+            "the host, verify = until the verdict does, host = the rest of decode_s",
+            "macro": "unweighted mean over domains",
+        },
+    }
+    out_path.write_text(json.dumps(json_clean(result), indent=1))
+    png_path = out_path.with_suffix(".png")
+    if not args.no_plot:
+        mi = result["machine"]
+        plot(json_clean(results), png_path,
+             f"per-position acceptance, SmolLM2-135M, B=1, {args.max_new_tokens} new tokens, "
+             f"{args.prompts_per_domain} prompts/domain; jax {mi['jax']} {mi['backend']}")
+
+    for name, r in results.items():
+        print(f"\n{name} ({drafters[name]['kind']}, γ={decoders[name].cfg.block_size}, "
+              f"policy {drafters[name]['policy']}):", file=sys.stderr)
+        for domain, d in r["domains"].items():
+            rate, split = d["tokens_per_s"], d["time_split"]
+            print(f"  {domain:5s} speedup x{d['speedup']:.2f}  τ {d['tau']:.2f}  accept {d['acceptance_rate']:.2f}  "
+                  f"tok/s {rate['target_only']:.1f} -> {rate['speculative']:.1f}  "
+                  f"draft/verify/host {split['draft_s']:.2f}/{split['verify_s']:.2f}/{split['host_s']:.2f} s  "
+                  f"identical {d['identical']}", file=sys.stderr)
+            for diff in d["differing_prompts"]:
+                print(f"        differs: {diff}", file=sys.stderr)
+    if comparison.compiles_while_timing:
+        print(f"warning: {comparison.compiles_while_timing} compilations while timing", file=sys.stderr)
+    print(f"wrote {out_path}" + ("" if args.no_plot else f" and {png_path}"), file=sys.stderr)
+    print(json.dumps(json_clean(summary)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

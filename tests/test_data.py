@@ -1,0 +1,150 @@
+"""The offline training-prompt mix: determinism, proportions, variety and benchmark hygiene."""
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dspark_jax.training.data import (
+    BOXED,
+    HUMANEVAL_PREFIX,
+    MIX,
+    TrainingPrompt,
+    build_prompts,
+    check_against_benchmarks,
+    check_no_overlap,
+    load_benchmark_prompts,
+    read_jsonl,
+    write_jsonl,
+)
+
+FIXTURE = Path(__file__).parent / "fixtures" / "benchmark_prompts.jsonl"
+SHARED_BENCHMARKS = Path("/work/shared/benchmarks")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return build_prompts(3000, seed=0)
+
+
+@pytest.fixture(scope="module")
+def fixture_rows():
+    return [json.loads(line) for line in FIXTURE.read_text(encoding="utf-8").splitlines()]
+
+
+def test_same_seed_same_prompts_other_seed_other_prompts():
+    a, b, c = build_prompts(400, seed=3), build_prompts(400, seed=3), build_prompts(400, seed=4)
+    assert a == b
+    assert len({p.text for p in a} & {p.text for p in c}) < 40
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (1000, {"chat": 180, "math": 390, "code": 390, "instruction": 40}),
+        # 1.26, 2.73, 2.73, 0.28: floors give 5, the two largest remainders (math, code) get +1.
+        (7, {"chat": 1, "math": 3, "code": 3, "instruction": 0}),
+        (0, {}),
+    ],
+)
+def test_domain_counts_follow_the_mix_by_largest_remainder(n, expected):
+    counts = Counter(p.domain for p in build_prompts(n, seed=1))
+    assert dict(counts) == {d: k for d, k in expected.items() if k}
+
+
+def test_custom_mix_and_bad_mix():
+    assert {p.domain for p in build_prompts(50, mix={"math": 1.0})} == {"math"}
+    with pytest.raises(ValueError, match="unknown domains"):
+        build_prompts(10, mix={"poetry": 1.0})
+
+
+def test_ids_are_stable_labels_and_order_is_shuffled(prompts):
+    assert {p.domain for p in prompts} == set(MIX)
+    by_domain: dict[str, list[int]] = {}
+    for p in prompts:
+        domain, index = p.id.rsplit("-", 1)
+        assert domain == p.domain and re.fullmatch(r"\d{6}", index)
+        by_domain.setdefault(domain, []).append(int(index))
+    for indices in by_domain.values():
+        assert sorted(indices) == list(range(len(indices)))
+    switches = sum(a.domain != b.domain for a, b in zip(prompts, prompts[1:]))
+    assert switches > len(prompts) / 2  # interleaved, not grouped by domain
+
+
+def test_no_duplicates_and_real_variety(prompts):
+    """Zero tolerance for exact duplicates (up to case and spacing): build_prompts rejects a
+    repeat and draws again, so any duplicate is a bug. Template-level variety is checked too."""
+    normalised = [" ".join(p.text.lower().split()) for p in prompts]
+    assert len(set(normalised)) == len(prompts)
+    assert len({p.text[:60] for p in prompts}) > 0.75 * len(prompts)
+
+
+def test_prompt_shapes(prompts):
+    assert sum(len(p.text) < 400 for p in prompts) > 0.9 * len(prompts)
+    for p in prompts:
+        for block in re.findall(r"```python\n(.*?)```", p.text, flags=re.S):
+            assert block.count("\n") <= 30, p.id
+    math = [p.text for p in prompts if p.domain == "math"]
+    boxed = sum(t.endswith(BOXED) for t in math) / len(math)
+    assert 0.35 < boxed < 0.65  # both the eval format and free-form problems
+    code = [p.text for p in prompts if p.domain == "code"]
+    assert sum("```python" in t for t in code) > 0.1 * len(code)
+
+
+def test_check_no_overlap_detects_copies(fixture_rows):
+    bench = [r["turns"][0] for r in fixture_rows]
+    gsm = next(r["turns"][0] for r in fixture_rows if r["source"] == "gsm8k")
+    mt = next(r["turns"][0] for r in fixture_rows if r["source"] == "mt-bench")
+    span = " ".join(mt.split()[2:14])  # 12 words from inside an MT-Bench prompt
+    planted = [
+        TrainingPrompt("math-000007", "math", "  " + gsm.upper().replace(" ", "   ")),
+        TrainingPrompt("chat-000003", "chat", f"My cousin asked me: {span}, right now?"),
+        TrainingPrompt("code-000002", "code", "Please write a function to filter odd numbers, in Go."),
+    ]
+    for p in planted:
+        with pytest.raises(ValueError, match=p.id):
+            check_no_overlap([TrainingPrompt("ok-0", "chat", "Tell me about owls."), p], bench)
+    with pytest.raises(ValueError, match="#0"):  # plain strings are accepted too
+        check_no_overlap([gsm], bench)
+
+
+def test_check_no_overlap_allows_boilerplate_and_short_spans(fixture_rows):
+    bench = [r["turns"][0] for r in fixture_rows]
+    mt = next(r["turns"][0] for r in fixture_rows if r["source"] == "mt-bench")
+    check_no_overlap(
+        [
+            f"What is 17 times 23?\n{BOXED}",
+            f"{HUMANEVAL_PREFIX}\n```python\ndef add(a, b):\n    \"\"\" Add two numbers.\n    \"\"\"\n```",
+            "So: " + " ".join(mt.split()[2:13]) + " ... or not.",  # 11 shared words only
+        ],
+        bench,
+    )
+
+
+def test_built_set_does_not_overlap_the_fixture(prompts):
+    assert check_against_benchmarks(prompts, FIXTURE) == 50
+
+
+@pytest.mark.skipif(not SHARED_BENCHMARKS.is_dir(), reason=f"{SHARED_BENCHMARKS} not on this machine")
+def test_built_set_does_not_overlap_the_full_benchmarks(prompts):
+    assert check_against_benchmarks(prompts, SHARED_BENCHMARKS) > 2000
+
+
+def test_load_benchmark_prompts_reads_first_turns(fixture_rows, tmp_path):
+    texts = load_benchmark_prompts(FIXTURE)
+    assert texts == [r["turns"][0] for r in fixture_rows]
+    second_turns = {r["turns"][1] for r in fixture_rows if len(r["turns"]) > 1}
+    assert second_turns and not second_turns & set(texts)
+    (tmp_path / "a.jsonl").write_text('{"turns": ["one", "two"]}\n')
+    (tmp_path / "b.jsonl").write_text('{"turns": ["three"]}\n\n')
+    assert load_benchmark_prompts(tmp_path) == ["one", "three"]
+    with pytest.raises(FileNotFoundError):
+        load_benchmark_prompts(tmp_path / "missing")
+
+
+def test_jsonl_round_trip(tmp_path):
+    prompts = build_prompts(40, seed=5)
+    write_jsonl(prompts, tmp_path / "p.jsonl")
+    assert read_jsonl(tmp_path / "p.jsonl") == prompts

@@ -1,0 +1,207 @@
+"""The training pipeline: target cache, anchors, exact resume, data parallelism, `dspark train`."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.checkpoints.drafter import load_drafter
+from dspark_jax.cli import main as cli_main
+from dspark_jax.training import target_cache
+from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
+from dspark_jax.training.train import (
+    LOG_FILE,
+    BatchSource,
+    load_config,
+    sample_anchors,
+    train,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny_test.py"
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (Path(run_dir) / LOG_FILE).read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """`dspark train --config configs/tiny_test.py`, run once for the module."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    assert cli_main(["train", "--config", str(TINY), "--out-dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_run, embedded_target):
+    config = dataclasses.replace(load_config(TINY), out_dir=str(tiny_run))
+    target = embedded_target[0].truncated(config.target_layers)
+    return config, target, load_target_cache(config.cache_path)
+
+
+# --- anchors ---------------------------------------------------------------------------------
+
+
+def test_anchor_candidates_follow_the_response_rule():
+    mask = np.array([0, 0, 1, 1, 1, 0, 1, 1])
+    anchors, keep = sample_anchors(mask, 8, np.random.default_rng(0))
+    # i is a candidate iff tokens i and i+1 are both response tokens: 2, 3 and 6.
+    assert anchors[keep].tolist() == [2, 3, 6] and keep.sum() == 3
+    assert (anchors[~keep] == 0).all()
+
+
+def test_anchor_sampling_is_uniform_without_replacement_and_sorted():
+    mask = np.ones(200, np.uint8)
+    rng = np.random.default_rng(1)
+    hits = np.zeros(199)
+    for _ in range(400):
+        anchors, keep = sample_anchors(mask, 16, rng)
+        assert keep.all() and (np.diff(anchors) > 0).all()
+        hits[anchors] += 1
+    # 400·16/199 ≈ 32 expected hits per candidate; a biased sampler would leave gaps.
+    assert hits.min() > 10 and hits.max() < 60
+
+
+# --- the pipeline on the tiny config ------------------------------------------------------------
+
+
+def test_tiny_training_loss_falls_and_exports_a_loadable_drafter(tiny_run, embedded_target):
+    curve = losses(tiny_run)
+    assert len(curve) == load_config(TINY).steps
+    assert np.mean(curve[-8:]) < 0.6 * np.mean(curve[:4]), curve
+    assert any((tiny_run / "checkpoints").iterdir())
+    records = [json.loads(line) for line in (tiny_run / LOG_FILE).read_text().splitlines()]
+    for key in ("ce", "tv", "conf", "accept_rate", "tau_probabilistic", "grad_norm", "lr"):
+        assert key in records[-1], key
+    assert records[-1]["tau_probabilistic"] > records[0]["tau_probabilistic"]
+    target = embedded_target[0].truncated(2)
+    drafter = load_drafter(tiny_run / "drafter", target=target.cfg)
+    assert drafter.cfg.block_size == 4
+
+
+def test_cache_holds_the_targets_own_features_and_normaliser(tiny_parts):
+    config, target, sequences = tiny_parts
+    seq = sequences[0]
+    assert seq.loss_mask.sum() >= config.cache.min_response_tokens
+    tokens = jax.numpy.asarray(seq.input_ids[None])
+    out = target.apply(target.params, tokens, target.new_cache(1, len(seq.input_ids)),
+                       tap_layers=config.cache.tap_layers)
+    np.testing.assert_allclose(np.asarray(seq.features, np.float32), out.taps[0], rtol=2e-2, atol=2e-2)
+    # lse is the normaliser of the logits recomputed from the *stored* (bf16) hidden state, so
+    # in-vocabulary probabilities from that hidden state sum to at most 1 at train time.
+    _, head = target.embedding_and_head(target.params)
+    stored_logits = np.asarray(seq.hidden, np.float32) @ np.asarray(head).T
+    np.testing.assert_allclose(seq.lse, jax.nn.logsumexp(stored_logits, axis=-1), rtol=1e-5)
+    # ... and that hidden state is the target's own up to bf16 rounding: each logit is within
+    # the bound that rounding every hidden element by at most 2^-8 relative allows.
+    hidden = np.asarray(seq.hidden, np.float32)
+    bound = (np.abs(hidden) @ np.abs(np.asarray(head)).T) * 2.0**-8
+    assert (np.abs(stored_logits - np.asarray(out.logits[0])) <= bound + 1e-4).all()
+    # The response is the target's greedy continuation (tiny_test samples at T=0).
+    response_start = int(np.argmax(seq.loss_mask))
+    np.testing.assert_array_equal(
+        np.argmax(out.logits[0, response_start - 1 : -1], axis=-1)[:8], seq.input_ids[response_start:][:8]
+    )
+
+
+def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, tiny_parts, monkeypatch, embedded_target):
+    _, target, _ = tiny_parts
+    tokenizer = embedded_target[1]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]) for i in range(6)]
+    names = [f"p{i}" for i in range(6)]
+    spec = CacheSpec(tap_layers=(0,), max_new_tokens=12, max_prompt_tokens=64, temperature=0.0,
+                     shard_size=2, batch_size=2, min_response_tokens=1)
+
+    def writer(path):
+        return TargetCacheWriter(target, spec, path, stop_ids=[tokenizer.eos_token_id])
+
+    writer(tmp_path / "whole").build(prompts, names, progress=False)
+    original = TargetCacheWriter._write_shard
+
+    def dies_at_shard_1(self, shard, *args):
+        if shard == 1:
+            raise KeyboardInterrupt("killed")
+        return original(self, shard, *args)
+
+    monkeypatch.setattr(TargetCacheWriter, "_write_shard", dies_at_shard_1)
+    with pytest.raises(KeyboardInterrupt):
+        writer(tmp_path / "killed").build(prompts, names, progress=False)
+    with pytest.raises(ValueError, match="incomplete"):
+        load_target_cache(tmp_path / "killed")
+    monkeypatch.setattr(TargetCacheWriter, "_write_shard", original)
+    writer(tmp_path / "killed").build(prompts, names, progress=False)
+    whole, resumed = load_target_cache(tmp_path / "whole"), load_target_cache(tmp_path / "killed")
+    assert [s.name for s in resumed] == [s.name for s in whole] == names
+    for a, b in zip(whole, resumed):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.features, b.features)
+        np.testing.assert_array_equal(a.lse, b.lse)
+    # A different spec on the same directory is refused, naming what changed.
+    other = dataclasses.replace(spec, max_new_tokens=13)
+    with pytest.raises(ValueError, match="spec"):
+        TargetCacheWriter(target, other, tmp_path / "whole", stop_ids=[tokenizer.eos_token_id]).build(
+            prompts, names, progress=False)
+    assert target_cache.shard_done(tmp_path / "whole", 2)
+
+
+def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):
+    config, target, sequences = tiny_parts
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "resumed"), steps=12, checkpoint_every=4)
+    assert train(config, target, sequences, stop_after=6, progress=False) is None
+    assert len(losses(tmp_path / "resumed")) == 6
+    # The run died at step 6, after the step-4 checkpoint: steps 4 and 5 are redone.
+    train(config, target, sequences, progress=False)
+    uninterrupted = dataclasses.replace(config, out_dir=str(tmp_path / "straight"))
+    train(uninterrupted, target, sequences, progress=False)
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+def test_batches_are_a_function_of_the_step(tiny_parts):
+    config, _, sequences = tiny_parts
+    a, b = BatchSource(sequences, config), BatchSource(sequences, config)
+    for step in (0, 7, 3):
+        for x, y in zip(a.batch(step), b.batch(step)):
+            np.testing.assert_array_equal(x, y)
+    epoch = [a.rows(s) for s in range(a.steps_per_epoch)]
+    assert sorted(np.concatenate(epoch).tolist()) == sorted(set(np.concatenate(epoch).tolist()))
+
+
+def test_eight_device_data_parallel_equals_one_device(tiny_parts):
+    """The same steps on a 1-device and an 8-device mesh (simulated CPU devices, fresh process)."""
+    config, _, _ = tiny_parts
+    script = textwrap.dedent(f"""
+        import dataclasses, json, sys
+        import jax
+        assert len(jax.devices()) == 8, jax.devices()
+        from dspark_jax.checkpoints.gguf import load_embedded_target
+        from dspark_jax.training.target_cache import load_target_cache
+        from dspark_jax.training.train import LOG_FILE, load_config, train
+        config = load_config({str(TINY)!r})
+        config = dataclasses.replace(config, cache_dir={str(config.cache_path)!r}, steps=3, batch_size=8)
+        target = load_embedded_target()[0].truncated(config.target_layers)
+        sequences = load_target_cache(config.cache_path)
+        curves = {{}}
+        for devices in (1, 8):
+            run = dataclasses.replace(config, out_dir=sys.argv[1] + f"/dp{{devices}}", data_parallel=devices)
+            train(run, target, sequences, progress=False)
+            curves[devices] = [json.loads(l)["loss"] for l in open(run.out_dir + "/" + LOG_FILE)]
+        print(json.dumps(curves))
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out_dir = Path(config.out_dir).parent / "dp"
+    result = subprocess.run([sys.executable, "-c", script, str(out_dir)], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    curves = json.loads(result.stdout.strip().splitlines()[-1])
+    one, eight = np.asarray(curves["1"]), np.asarray(curves["8"])
+    assert len(one) == 3
+    # Same math, different reduction order across devices: float32 rounding only.
+    np.testing.assert_allclose(eight, one, rtol=1e-5)
