@@ -295,7 +295,7 @@ def _demo_side_by_side(args, target, tokenizer, prompts) -> None:
     from dspark_jax.eval.compare import Comparison, make_decoder
 
     name, drafter, _, _ = load_drafter_arg(DEFAULT, target)
-    decoder = make_decoder(target, drafter, None)
+    decoder = make_decoder(target, drafter, parse_policy_arg(args.policy))
     print(f"\n== target-only vs DSpark ({_describe(name, drafter, decoder)}), greedy, one request at "
           f"a time (B=1), {args.max_new_tokens} new tokens max")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a few real prompts on the embedded target")
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    # The shipped drafter's confidence head is calibrated: verifying only trusted drafts was
+    # faster than fixed:7 on every domain measured (docs/BENCHMARKS.md).
+    demo.add_argument("--policy", default="threshold:0.3", help=POLICY_HELP.split("; default")[0] + "; default threshold:0.3")
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate text from one prompt")
