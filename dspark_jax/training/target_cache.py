@@ -243,7 +243,8 @@ class TargetCacheWriter:
         meta = {
             "shard": shard,
             "prompt_names": [names[i] for i in kept],
-            "dropped": [{"name": names[i], "response_tokens": len(responses[i])} for i in range(len(prompts)) if i not in set(kept)],
+            "dropped": [{"name": names[i], "response_tokens": len(responses[i])}
+                        for i in sorted(set(range(len(prompts))) - set(kept))],
             "response_tokens": [len(responses[i]) for i in kept],
             "tokens": int(sum(lengths)),
         }
