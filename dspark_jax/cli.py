@@ -132,7 +132,7 @@ def _decode_tok_s(result) -> float:
 
 def cmd_generate(args) -> int:
     from dspark_jax.config import SamplingConfig
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 
     if not args.prompt:
         raise SystemExit("--prompt is empty")
@@ -149,38 +149,21 @@ def cmd_generate(args) -> int:
         from dspark_jax.eval.compare import make_decoder
 
         name, drafter, policy, _ = load_drafter_arg(args.drafter, target, policy)
-        decoder = make_decoder(target, drafter, policy)
-        slack = decoder.verify_widths[-1]
-        max_len = cache_len([len(ids)], args.max_new_tokens, target.cfg.max_position_embeddings, slack)
-        compile_s = decoder.warmup(1, len(ids), max_len)
-        result = decoder.generate(
-            [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed],
-            stop_ids=stops, max_len=max_len,
-        )
-        print(tokenizer.decode(result.tokens[0]))
-        print(
-            f"[{len(result.tokens[0])} tokens, finish={result.finish_reasons[0]}; prompt {len(ids)} tokens; "
-            f"prefill {result.prefill_s * 1e3:.0f} ms; decode {_decode_tok_s(result):.1f} tokens/s; "
-            f"{_spec_stats(result)}; drafter {_describe(name, drafter, decoder)}; compile {compile_s:.1f} s]",
-            file=sys.stderr,
-        )
-        return 0
-    generator = AutoregressiveGenerator(target)
-    max_len = generator.cache_len_for([len(ids)], args.max_new_tokens)
-    compile_s = generator.warmup(1, len(ids), max_len)
-    result = generator.generate(
-        [ids],
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        seeds=[args.seed],
-        stop_ids=stops,
-        max_len=max_len,
+        runner = make_decoder(target, drafter, policy)
+    else:
+        runner = AutoregressiveGenerator(target)
+    max_len = runner.cache_len_for([len(ids)], args.max_new_tokens)
+    compile_s = runner.warmup(1, len(ids), max_len)
+    result = runner.generate(
+        [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed],
+        stop_ids=stops, max_len=max_len,
     )
     print(tokenizer.decode(result.tokens[0]))
+    speculative = "" if args.drafter is None else f"; {_spec_stats(result)}; drafter {_describe(name, drafter, runner)}"
     print(
         f"[{len(result.tokens[0])} tokens, finish={result.finish_reasons[0]}; prompt {len(ids)} tokens; "
-        f"prefill {result.prefill_s * 1e3:.0f} ms; decode {result.decode_tokens_per_s:.1f} tokens/s; "
-        f"compile {compile_s:.1f} s]",
+        f"prefill {result.prefill_s * 1e3:.0f} ms; decode {_decode_tok_s(result):.1f} tokens/s"
+        f"{speculative}; compile {compile_s:.1f} s]",
         file=sys.stderr,
     )
     return 0

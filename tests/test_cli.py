@@ -6,10 +6,10 @@ import io
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dspark_jax.cli import main
+from tests.prompts import random_drafter
 
 FRANCE = ["--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"]
 
@@ -50,12 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def random_drafter_dir(embedded_target, tmp_path_factory):
     """An untrained DSpark drafter for the embedded target, saved as a checkpoint directory."""
-    from dspark_jax.checkpoints.drafter import build_drafter, save_drafter
-    from dspark_jax.config import DrafterConfig
+    from dspark_jax.checkpoints.drafter import save_drafter
 
-    cfg = DrafterConfig.for_target(embedded_target[0].cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28),
-                                   mask_token_id=0, block_size=7, draft_vocab_size=4096)
-    drafter = build_drafter(cfg, draft_vocab_ids=np.arange(4096))
+    drafter = random_drafter(embedded_target[0].cfg)
     return save_drafter(drafter, tmp_path_factory.mktemp("drafters") / "random_dspark")
 
 

@@ -18,12 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
-from dspark_jax.drafter.model import Drafter
+from tests.prompts import random_drafter
 
 GAMMA = 7
 FIXTURE = Path(__file__).parent / "fixtures" / "exactness_prompts.jsonl"
@@ -45,12 +43,7 @@ def mixed_batches(count: int, batch: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def setup(embedded_target):
     target, tokenizer = embedded_target
-    cfg = DrafterConfig.for_target(
-        target.cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28), mask_token_id=0,
-        block_size=GAMMA, draft_vocab_size=4096,
-    )
-    drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(4096))  # random: rejects
-    return target, drafter, exactness_prompts(tokenizer)
+    return target, random_drafter(target.cfg, GAMMA), exactness_prompts(tokenizer)
 
 
 def test_fixture_has_24_prompts_of_five_sources(setup):

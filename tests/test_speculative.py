@@ -18,7 +18,7 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
-from tests.prompts import mixed_prompts
+from tests.prompts import mixed_prompts, random_drafter
 from tests.tiny import sharp_tiny_target
 
 GAMMA = 7
@@ -27,11 +27,7 @@ GAMMA = 7
 @pytest.fixture(scope="module")
 def real(embedded_target):
     target, tokenizer = embedded_target
-    cfg = DrafterConfig.for_target(
-        target.cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28), mask_token_id=0,
-        block_size=GAMMA, draft_vocab_size=4096,
-    )
-    drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(4096))  # random: rejects
+    drafter = random_drafter(target.cfg, GAMMA)
     prompts = mixed_prompts(tokenizer)
     reference = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=32, max_len=256)
     return target, drafter, prompts, reference

@@ -290,6 +290,14 @@ class SpeculativeDecoder:
         strict mode (steps as wide as the verify forward, the same cache length)."""
         return AutoregressiveGenerator(self.target, step_width=self.verify_widths[-1] if self.strict else 1)
 
+    @property
+    def slack(self) -> int:
+        """Cache slots reserved past prompt + new tokens: room for the widest verify forward."""
+        return self.verify_widths[-1]
+
+    def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+        return cache_len(prompt_lens, max_new_tokens, self.target.cfg.max_position_embeddings, self.slack)
+
     def width_for(self, max_length: int) -> int:
         return next(w for w in self.verify_widths if w >= max_length + 1)
 
@@ -308,10 +316,9 @@ class SpeculativeDecoder:
         batch = requests.batch
         if max_new_tokens == 0:
             return SpeculativeResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0, [], [], [])
-        slack = self.verify_widths[-1]
         if max_len is None:
-            max_len = cache_len(requests.lens, max_new_tokens, self.target.cfg.max_position_embeddings, slack)
-        requests.check_fits(max_new_tokens, slack, max_len)
+            max_len = self.cache_len_for(requests.lens, max_new_tokens)
+        requests.check_fits(max_new_tokens, self.slack, max_len)
         params, keys = requests.params, requests.keys_B
         stops = stop_id_array(stop_ids)
 

@@ -21,7 +21,7 @@ from flax import nnx
 
 from dspark_jax.config import DrafterConfig
 from dspark_jax.drafter.heads import DraftBlock, scatter_to_target
-from dspark_jax.drafter.model import make_reduced_head
+from dspark_jax.drafter.model import ReducedHeadMixin, make_reduced_head
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (
     MASK_VALUE,
@@ -47,7 +47,7 @@ class Eagle3Context(NamedTuple):
     hidden_BxD: jax.Array
 
 
-class Eagle3Drafter(nnx.Module):
+class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab_ids=None):
         b = cfg.backbone
         if b.num_layers != 1:
@@ -94,15 +94,6 @@ class Eagle3Drafter(nnx.Module):
 
     def project_features(self, features_BxTxF):
         return self.fc(features_BxTxF)
-
-    def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
-        if self.draft_head is None:
-            raise ValueError("this drafter has no reduced head")
-        self.draft_head.init_from(lm_head_VxD)
-
-    @property
-    def d2t_N(self) -> jax.Array | None:
-        return None if self.draft_head is None else self.draft_head.d2t_N
 
     def logits(self, hidden_BxTxD, lm_head_VxD):
         """Logits over the draft vocabulary: the reduced head, or the frozen target head (both

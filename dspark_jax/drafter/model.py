@@ -76,7 +76,23 @@ def make_reduced_head(cfg: DrafterConfig, draft_vocab_ids, rngs: nnx.Rngs, dtype
     return ReducedHead(cfg.hidden_size, cfg.vocab_size, ids, rngs=rngs, dtype=dtype)
 
 
-class Drafter(nnx.Module):
+class ReducedHeadMixin:
+    """``init_draft_head`` / ``d2t_N`` for a drafter whose ``draft_head`` is a ReducedHead or None."""
+
+    draft_head: ReducedHead | None
+
+    def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
+        """Start the reduced head from the target head's rows for the draft tokens."""
+        if self.draft_head is None:
+            raise ValueError("this drafter has no reduced head")
+        self.draft_head.init_from(lm_head_VxD)
+
+    @property
+    def d2t_N(self) -> jax.Array | None:
+        return None if self.draft_head is None else self.draft_head.d2t_N
+
+
+class Drafter(ReducedHeadMixin, nnx.Module):
     def __init__(
         self,
         cfg: DrafterConfig,
@@ -92,16 +108,6 @@ class Drafter(nnx.Module):
         self.markov = make_markov_head(cfg, rngs, dtype)
         self.confidence = make_confidence_head(cfg, rngs, dtype)
         self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)
-
-    def init_draft_head(self, lm_head_VxD: jax.Array) -> None:
-        """Start the reduced head from the target head's rows for the draft tokens."""
-        if self.draft_head is None:
-            raise ValueError("this drafter has no reduced head")
-        self.draft_head.init_from(lm_head_VxD)
-
-    @property
-    def d2t_N(self) -> jax.Array | None:
-        return None if self.draft_head is None else self.draft_head.d2t_N
 
     def base_logits(self, h_xd: jax.Array, lm_head_VxD: jax.Array) -> jax.Array:
         """``U = head(h)`` over the draft vocabulary (the full target vocab without a reduced head)."""

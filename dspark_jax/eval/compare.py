@@ -147,7 +147,7 @@ class Comparison:
         import time
 
         limit = self.target.cfg.max_position_embeddings
-        slack = max((d.verify_widths[-1] for d in self.decoders.values()), default=0)
+        slack = max((d.slack for d in self.decoders.values()), default=0)
         self.max_len_ar = cache_len(prompt_lens, self.max_new_tokens, limit)
         self.max_len_spec = cache_len(prompt_lens, self.max_new_tokens, limit, slack)
         buckets = sorted({bucket(n) for n in prompt_lens})

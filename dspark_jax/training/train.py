@@ -295,7 +295,7 @@ def train(config: TrainConfig, target, sequences, *, stop_after: int | None = No
     cfg = drafter_config(config, target.cfg)
     drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
     embed, head = jax.jit(target.embedding_and_head)(target.params)
-    if getattr(drafter, "draft_head", None) is not None:
+    if drafter.draft_head is not None:
         drafter.init_draft_head(head)
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     tx = optimizer(config)
