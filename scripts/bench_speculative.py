@@ -15,12 +15,13 @@ On the embedded SmolLM2-135M-Instruct target (fp32), one request at a time (B=1)
   draft / verify / host time split, tokens/s, and for greedy decoding whether every prompt's
   output equals target-only output token for token (``differing_prompts`` otherwise);
 - macro numbers are unweighted means over the three domains; ``tau_ratio`` is
-  τ(dspark) / τ(dflash) (macro) when drafters of both kinds ran.
+  τ(dspark) / τ(dflash) (macro) and ``tau_ratio_eagle3`` τ(dspark) / τ(eagle3) when drafters of
+  both kinds ran.
 
 Writes JSON (``--out``) and a PNG of per-position acceptance with the same stem; the last line
 printed is the summary ``{"identical": ..., "speedup": {"math": ..., "code": ..., "chat": ...},
 "tau": {"<drafter>": {...}, ...}}`` (speedup of the first drafter; ``identical`` is null when
-sampling; ``tau_ratio`` is added when it exists).
+sampling; ``tau_ratio`` / ``tau_ratio_eagle3`` are added when they exist).
 
     .venv/bin/python scripts/bench_speculative.py                       # shipped DSpark drafter
     .venv/bin/python scripts/bench_speculative.py --compare-baselines   # DSpark, DFlash, EAGLE-3
@@ -211,17 +212,23 @@ def main(argv=None) -> int:
     kinds = {}
     for name, info in drafters.items():
         kinds.setdefault(info["kind"], name)
-    tau_ratio = None
-    if "dspark" in kinds and "dflash" in kinds:
-        tau_ratio = results[kinds["dspark"]]["macro"]["tau"] / results[kinds["dflash"]]["macro"]["tau"]
+
+    def tau_ratio_over(kind):
+        """τ(DSpark) / τ(kind), macro over the domains, when drafters of both kinds ran."""
+        if "dspark" not in kinds or kind not in kinds:
+            return None
+        return results[kinds["dspark"]]["macro"]["tau"] / results[kinds[kind]]["macro"]["tau"]
+
+    tau_ratio, tau_ratio_eagle3 = tau_ratio_over("dflash"), tau_ratio_over("eagle3")
     summary = {
         "identical": all(r["identical"] for r in results.values()) if sampling.greedy else None,
         "speedup": {d: round(v["speedup"], 3) for d, v in results[first]["domains"].items()},
         "tau": {name: {d: round(v["tau"], 3) if v["tau"] == v["tau"] else None for d, v in r["domains"].items()}
                 for name, r in results.items()},
     }
-    if tau_ratio is not None:
-        summary["tau_ratio"] = round(tau_ratio, 3)
+    for key, ratio in (("tau_ratio", tau_ratio), ("tau_ratio_eagle3", tau_ratio_eagle3)):
+        if ratio is not None:
+            summary[key] = round(ratio, 3)
 
     result = {
         "summary": summary,
@@ -252,6 +259,7 @@ def main(argv=None) -> int:
         "speedup": {name: {d: v["speedup"] for d, v in r["domains"].items()} | {"macro": r["macro"]["speedup"]}
                     for name, r in results.items()},
         "tau_ratio": tau_ratio,
+        "tau_ratio_eagle3": tau_ratio_eagle3,
         "results": results,
         "method": {
             "speedup": "sum of target-only decode seconds / sum of speculative decode seconds over the domain's "

@@ -60,12 +60,17 @@ def test_step_k_does_not_see_later_positions(setup):
 
 
 def test_ttt_loss_gradients_and_value(setup):
+    """The loss is scored at the sampled anchors: anchor ``a`` is TTT index ``a − 1``, step k
+    predicts token ``a + 1 + k`` (DSpark's slot k); padding anchors and prompt labels count for
+    nothing."""
     from dspark_jax.training.losses import TrainBatch, eagle3_loss
 
     cfg, model, embed, feats, tokens, hidden = setup
     loss_mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
     target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
-    data = TrainBatch(tokens, loss_mask, feats, target_hidden, jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))
+    anchors = np.asarray([[2, 4, 5, 7, 8, 0]], np.int32)
+    keep = np.asarray([[True, True, False, True, True, False]])
+    data = TrainBatch(tokens, loss_mask, feats, target_hidden, jnp.asarray(anchors), jnp.asarray(keep))
     graphdef, params = nnx.split(model)
 
     def f(params, embed, head):
@@ -78,18 +83,20 @@ def test_ttt_loss_gradients_and_value(setup):
         assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
     np.testing.assert_array_equal(g_embed, 0.0)
     np.testing.assert_array_equal(g_head, 0.0)
-    # Step 1 by hand: index t predicts token t+3 against softmax(head(target_hidden[t+2])).
+    # Step 1 by hand: anchor a (index t = a-1) predicts token a+2 against softmax(head(target_hidden[a+1])).
     logits = np.asarray(model.logits(hidden[1], embed))[0].astype(np.float64)
     target = np.asarray(target_hidden[0] @ embed.T, np.float64)
-    total = 0.0
-    for t in range(SEQ):
-        if t + 3 < SEQ and loss_mask[0, t + 3]:
-            p = np.exp(target[t + 2] - target[t + 2].max())
+    total, scored = 0.0, 0
+    for a, kept in zip(anchors[0], keep[0]):
+        if kept and a + 2 < SEQ and loss_mask[0, a + 2]:
+            p = np.exp(target[a + 1] - target[a + 1].max())
             p /= p.sum()
-            log_q = logits[t] - logits[t].max()
+            log_q = logits[a - 1] - logits[a - 1].max()
             log_q -= np.log(np.exp(log_q).sum())
             total -= (p * log_q).sum()
-    np.testing.assert_allclose(metrics["step_loss"][1], total / SEQ, rtol=1e-4)
+            scored += 1
+    assert scored == 3  # anchors 2 (label 4), 4 and 7; 5 is padding, 8's label is past the end
+    np.testing.assert_allclose(metrics["step_loss"][1], total / keep.sum(), rtol=1e-4)
     weights = cfg.ttt_step_decay ** np.arange(STEPS)
     np.testing.assert_allclose(loss, (weights * np.asarray(metrics["step_loss"])).sum(), rtol=1e-5)
 
@@ -111,7 +118,7 @@ def test_reduced_head_loss_and_proposal(setup):
     target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
     lse = jax.nn.logsumexp(target_hidden @ embed.T, axis=-1)
     mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
-    anchors = (jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool))
+    anchors = (jnp.arange(1, SEQ, dtype=jnp.int32)[None], jnp.ones((1, SEQ - 1), bool))
     full = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors))
     via_lse = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors, lse))
     np.testing.assert_allclose(via_lse[0], full[0], rtol=1e-5)

@@ -1,7 +1,8 @@
 """Greedy exactness on the real embedded target, independent of drafter quality.
 
 A random drafter (nearly every draft rejected, so every round exercises rejection, rollback and
-the verify forward at full width) on real benchmark prompts (tests/fixtures/
+the verify forward at full width) and the shipped trained DSpark drafter (drafts accepted, so
+rounds commit several tokens and roll back mid-block) on real benchmark prompts (tests/fixtures/
 exactness_prompts.jsonl: 24 first turns of GSM8K, HumanEval, MT-Bench, MBPP and MATH-500,
 chat-templated). Strict mode is asserted token-identical to its target-only reference; the
 default mode to plain target-only decoding (it was exact on all of these when measured, see
@@ -99,11 +100,22 @@ def test_strict_speculative_greedy_is_exact_on_benchmark_prompts(setup):
     assert {int(x) for lengths in result.verify_lengths for x in lengths} == {0, 3}
 
 
+def shipped_drafter(name: str, target):
+    from dspark_jax.checkpoints.drafter import load_drafter
+    from dspark_jax.drafters import shipped_drafter_path
+
+    return load_drafter(shipped_drafter_path(name), target=target.cfg)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_is_exact_on_24_benchmark_prompts(setup, batch):
-    """≥ 20 real prompts x 64 tokens x ℓ ∈ {0, 1, 3, γ}: strict and default mode."""
+@pytest.mark.parametrize("drafter_name", ["random", "smollm2_135m_dspark"])
+def test_greedy_is_exact_on_24_benchmark_prompts(setup, batch, drafter_name):
+    """≥ 20 real prompts x 64 tokens x ℓ ∈ {0, 1, 3, γ}: strict and default mode, with the random
+    drafter (every round rejects) and the shipped trained one (rounds accept and roll back mid-block)."""
     target, drafter, prompts = setup
+    if drafter_name != "random":
+        drafter = shipped_drafter(drafter_name, target)
     groups = mixed_batches(len(prompts), batch)
     for strict in (True, False):
         decoders = {
@@ -122,11 +134,8 @@ def test_greedy_is_exact_on_24_benchmark_prompts(setup, batch):
 def test_shipped_dspark_drafter_is_exact_and_accepts_drafts(setup):
     """The shipped, trained drafter: drafts are accepted (τ > 1), so rounds commit several tokens
     and roll back mid-block, and greedy output is still the target's, in both modes."""
-    from dspark_jax.checkpoints.drafter import load_drafter
-    from dspark_jax.drafters import shipped_drafter_path
-
     target, _, prompts = setup
-    drafter = load_drafter(shipped_drafter_path("smollm2_135m_dspark"), target=target.cfg)
+    drafter = shipped_drafter("smollm2_135m_dspark", target)
     batch = [prompts[i] for i in (1, 9, 14, 20)]
     plain = AutoregressiveGenerator(target).generate(batch, max_new_tokens=48)
     default = SpeculativeDecoder(target, drafter).generate(batch, max_new_tokens=48)

@@ -403,38 +403,48 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     Step k at index t predicts token ``t + 2 + k`` and is scored by soft cross-entropy against the
     target's distribution there (``softmax(head(target_hidden[t + 1 + k]))``, restricted to the
     draft vocabulary when the drafter has a reduced head), supervised where that token is a
-    response token inside the sequence; each step is normalised by the padded length ``B·S`` (as
-    the reference does) and weighted ``ttt_step_decay ** k``. Each step is rematerialised, so only
-    one step's ``[B, S, N]`` logits are alive at a time.
+    response token inside the sequence; each step is weighted ``ttt_step_decay ** k``.
+
+    The TTT layers run over every position (each step attends to all earlier ones), but the
+    head and loss are evaluated at the batch's sampled anchors only: index ``t = a − 1`` for
+    anchor ``a``, so step k predicts exactly what slot k of a DSpark block at ``a`` predicts. The
+    reference scores every position; sampling them gives the same objective in expectation and
+    the same supervision per step as the block drafters, at a fraction of the head's cost (the
+    ``[B, S, V]`` products dominated an EAGLE-3 step). Each step's sum is normalised by the
+    number of kept anchors, a fixed denominator across steps like the reference's ``B·S``.
     """
     cfg = drafter.cfg
-    batch_size, seq = batch.input_ids_BxS.shape
+    seq = batch.input_ids_BxS.shape[1]
     hidden = drafter.forward_train(embed_VxD, batch.features_BxSxF, batch.input_ids_BxS)
     frozen_head = jax.lax.stop_gradient(lm_head_VxD)
-    positions = jnp.arange(seq)
     d2t = drafter.d2t_N
     in_vocab_head = frozen_head if d2t is None else frozen_head[d2t]
+    index_BxA = jnp.clip(batch.anchors_BxA - 1, 0, seq - 1)
+    kept = batch.keep_BxA.sum()
 
-    def target_probs(source):
+    def target_probs(source_BxA):
         """``p_t`` over the draft vocabulary (unnormalised there: mass outside it is unreachable)."""
-        hidden_src = batch.target_hidden_BxSxD[:, source]
+        hidden_src = _gather_along_seq(batch.target_hidden_BxSxD, source_BxA[..., None])[:, :, 0]
         if batch.target_lse_BxS is not None:
             logits = project(hidden_src, in_vocab_head).astype(jnp.float32)
-            return jnp.exp(logits - batch.target_lse_BxS[:, source][..., None])
+            lse = _gather_along_seq(batch.target_lse_BxS, source_BxA[..., None])[:, :, 0]
+            return jnp.exp(logits - lse[..., None])
         p_full = jax.nn.softmax(project(hidden_src, frozen_head).astype(jnp.float32), axis=-1)
         return p_full if d2t is None else p_full[..., d2t]
 
     @jax.checkpoint
     def step_terms(hidden_BxSxD, k):
-        source = jnp.clip(positions + 1 + k, 0, seq - 1)
-        label = positions + 2 + k
-        valid = (label < seq) & (jnp.take(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0)
-        p_t = target_probs(source)
-        log_q = jax.nn.log_softmax(drafter.logits(hidden_BxSxD, lm_head_VxD), axis=-1)
+        label = batch.anchors_BxA + 1 + k
+        valid = batch.keep_BxA & (label < seq) & (
+            jnp.take_along_axis(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0
+        )
+        p_t = target_probs(jnp.clip(batch.anchors_BxA + k, 0, seq - 1))
+        h_BxAxD = _gather_along_seq(hidden_BxSxD, index_BxA[..., None])[:, :, 0]
+        log_q = jax.nn.log_softmax(drafter.logits(h_BxAxD, lm_head_VxD), axis=-1)
         soft_ce = -(p_t * log_q).sum(-1)
         accept = jnp.minimum(p_t, jnp.exp(log_q)).sum(-1)
         return (
-            jnp.where(valid, soft_ce, 0.0).sum() / (batch_size * seq),
+            _safe_div(jnp.where(valid, soft_ce, 0.0).sum(), kept),
             jnp.where(valid, accept, 0.0).sum(),
             valid.sum(),
         )
