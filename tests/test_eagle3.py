@@ -61,15 +61,15 @@ def test_step_k_does_not_see_later_positions(setup):
 
 def test_ttt_loss_gradients_and_value(setup):
     """The loss is scored at the sampled anchors: anchor ``a`` is TTT index ``a − 1``, step k
-    predicts token ``a + 1 + k`` (DSpark's slot k); padding anchors and prompt labels count for
-    nothing."""
+    predicts token ``a + 1 + k`` (DSpark's slot k); padding anchors, anchor 0 and prompt labels
+    add nothing to the sum (the normaliser counts kept anchors)."""
     from dspark_jax.training.losses import TrainBatch, eagle3_loss
 
     cfg, model, embed, feats, tokens, hidden = setup
-    loss_mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
+    loss_mask = jnp.ones((1, SEQ), jnp.int32).at[:, 6].set(0)  # a prompt-like token at 6
     target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
     anchors = np.asarray([[2, 4, 5, 7, 8, 0]], np.int32)
-    keep = np.asarray([[True, True, False, True, True, False]])
+    keep = np.asarray([[True, True, False, True, True, True]])  # anchor 0 kept: it has no index a-1
     data = TrainBatch(tokens, loss_mask, feats, target_hidden, jnp.asarray(anchors), jnp.asarray(keep))
     graphdef, params = nnx.split(model)
 
@@ -88,14 +88,16 @@ def test_ttt_loss_gradients_and_value(setup):
     target = np.asarray(target_hidden[0] @ embed.T, np.float64)
     total, scored = 0.0, 0
     for a, kept in zip(anchors[0], keep[0]):
-        if kept and a + 2 < SEQ and loss_mask[0, a + 2]:
+        if kept and a >= 1 and a + 2 < SEQ and loss_mask[0, a + 2]:
             p = np.exp(target[a + 1] - target[a + 1].max())
             p /= p.sum()
             log_q = logits[a - 1] - logits[a - 1].max()
             log_q -= np.log(np.exp(log_q).sum())
             total -= (p * log_q).sum()
             scored += 1
-    assert scored == 3  # anchors 2 (label 4), 4 and 7; 5 is padding, 8's label is past the end
+    # Anchors 2 (label 4) and 7 (label 9); 4's label is masked, 5 is padding, 8's label is past
+    # the end, and 0 has no TTT index before it.
+    assert scored == 2
     np.testing.assert_allclose(metrics["step_loss"][1], total / keep.sum(), rtol=1e-4)
     weights = cfg.ttt_step_decay ** np.arange(STEPS)
     np.testing.assert_allclose(loss, (weights * np.asarray(metrics["step_loss"])).sum(), rtol=1e-5)

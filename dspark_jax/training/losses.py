@@ -407,11 +407,12 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
 
     The TTT layers run over every position (each step attends to all earlier ones), but the
     head and loss are evaluated at the batch's sampled anchors only: index ``t = a − 1`` for
-    anchor ``a``, so step k predicts exactly what slot k of a DSpark block at ``a`` predicts. The
-    reference scores every position; sampling them gives the same objective in expectation and
+    anchor ``a``, so step k predicts exactly what slot k of a DSpark block at ``a`` predicts.
+    DeepSpec scores every position; sampling them gives the same objective in expectation and
     the same supervision per step as the block drafters, at a fraction of the head's cost (the
     ``[B, S, V]`` products dominated an EAGLE-3 step). Each step's sum is normalised by the
-    number of kept anchors, a fixed denominator across steps like the reference's ``B·S``.
+    number of kept anchors, a fixed denominator across steps like the reference's ``B·S``; each
+    step is rematerialised, so one step's ``[B, A, N]`` logits are alive at a time.
     """
     cfg = drafter.cfg
     seq = batch.input_ids_BxS.shape[1]
@@ -435,7 +436,8 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     @jax.checkpoint
     def step_terms(hidden_BxSxD, k):
         label = batch.anchors_BxA + 1 + k
-        valid = batch.keep_BxA & (label < seq) & (
+        # Anchor 0 has no TTT index before it (a prompt precedes every response in practice).
+        valid = batch.keep_BxA & (batch.anchors_BxA >= 1) & (label < seq) & (
             jnp.take_along_axis(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0
         )
         p_t = target_probs(jnp.clip(batch.anchors_BxA + k, 0, seq - 1))
