@@ -7,17 +7,22 @@ while sparing the padding that 512 cost every step.
 Drafter: 1 layer (not DeepSpec's 5: on 2 CPU cores every drafter layer costs verify time),
 5 tapped layers spread like DeepSpec's, γ = 7, vanilla Markov head of rank 64, a 4096-token
 reduced head (its size decides the sequential head's per-token cost on CPU), confidence head.
-The DFlash and EAGLE-3 configs reuse this data, cache and step budget.
+Training: two legs of 500 steps on the same data. The first starts from random weights at
+peak lr 1e-3 and decays to 0; the second restarts from the first's drafter with a fresh
+warm-up + cosine at half the peak and new anchor samples (seed 43). On this CPU the τ curve was
+still rising when the first leg's schedule ended; splitting the run keeps the first leg a
+usable drafter on its own. The DFlash and EAGLE-3 configs reuse this data, cache and step budget.
 """
 
+import dataclasses
 from pathlib import Path
 
 from dspark_jax.training.target_cache import CacheSpec
 from dspark_jax.training.train import TrainConfig
 
-CONFIG = TrainConfig(
-    name="smollm2_135m_dspark",
-    out_dir="runs/smollm2_135m_dspark",
+FIRST_LEG = TrainConfig(
+    name="smollm2_135m_dspark_first",
+    out_dir="runs/smollm2_135m_dspark_first",
     cache_dir="runs/smollm2_135m_cache",
     # The benchmark prompt sets next to the repository; training prompts must not overlap them.
     benchmarks_dir=str(Path(__file__).resolve().parents[2] / "shared" / "benchmarks"),
@@ -33,4 +38,12 @@ CONFIG = TrainConfig(
     anchor_chunk=32,
     learning_rate=1e-3,
     checkpoint_every=50,
+)
+CONFIG = dataclasses.replace(
+    FIRST_LEG,
+    name="smollm2_135m_dspark",
+    out_dir="runs/smollm2_135m_dspark",
+    init_from=FIRST_LEG,
+    learning_rate=5e-4,
+    seed=43,
 )

@@ -20,6 +20,7 @@ from dspark_jax.training.train import (
     LOG_FILE,
     BatchSource,
     load_config,
+    run,
     sample_anchors,
     train,
 )
@@ -172,6 +173,37 @@ def test_batches_are_a_function_of_the_step(tiny_parts):
             np.testing.assert_array_equal(x, y)
     epoch = [a.rows(s) for s in range(a.steps_per_epoch)]
     assert sorted(np.concatenate(epoch).tolist()) == sorted(set(np.concatenate(epoch).tolist()))
+
+
+def test_init_from_an_exported_drafter_starts_where_it_left_off(tmp_path, tiny_run, tiny_parts):
+    config, target, sequences = tiny_parts
+    first = losses(tiny_run)
+    # Same seed, so without the warm start this run would repeat the first run's step-0 loss.
+    leg = dataclasses.replace(config, out_dir=str(tmp_path / "leg"), steps=3, init_from=str(tiny_run / "drafter"))
+    train(leg, target, sequences, progress=False)
+    second = losses(tmp_path / "leg")
+    assert second[0] < 0.7 * first[0] and second[0] < 1.3 * np.mean(first[-8:]), (first, second)
+
+
+def test_init_from_refuses_a_drafter_that_is_not_the_configs(tmp_path, tiny_run, tiny_parts):
+    config, target, sequences = tiny_parts
+    other = dataclasses.replace(config, out_dir=str(tmp_path / "other"), init_from=str(tiny_run / "drafter"),
+                                drafter={**config.drafter, "markov_rank": 8})
+    with pytest.raises(ValueError, match="markov_rank"):
+        train(other, target, sequences, progress=False)
+    missing = dataclasses.replace(config, out_dir=str(tmp_path / "missing"), init_from=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="no exported drafter"):
+        train(missing, target, sequences, progress=False)
+
+
+def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):
+    config, _, _ = tiny_parts
+    first = dataclasses.replace(config, out_dir=str(tmp_path / "first"), cache_dir=str(config.cache_path), steps=2)
+    second = dataclasses.replace(first, out_dir=str(tmp_path / "second"), init_from=first, seed=7)
+    exported = run(second, progress=False)
+    assert len(losses(tmp_path / "first")) == 2 and len(losses(tmp_path / "second")) == 2
+    meta = json.loads((exported / "config.json").read_text())["metadata"]
+    assert meta["init_from"] == str(tmp_path / "first" / "drafter")
 
 
 def test_eight_device_data_parallel_equals_one_device(tiny_parts):

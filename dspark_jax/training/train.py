@@ -11,6 +11,11 @@
 5. save an orbax checkpoint every ``checkpoint_every`` steps and at the end, and export the
    drafter (``checkpoints/drafter.py``) without the frozen embedding / LM head.
 
+``init_from`` starts a run from a trained drafter instead of a random one, with a fresh optimizer
+and schedule: an exported drafter directory (fine-tune a shipped drafter on new responses), or
+another ``TrainConfig`` (a training leg: it is trained first, or resumed, unless its drafter is
+already exported), so one command reproduces a multi-leg run.
+
 Resume is exact: the data order and the anchors of step ``t`` are functions of ``(seed, t)``
 alone, and the checkpoint holds parameters and optimizer state, so a killed run continues with
 the same loss curve as an uninterrupted one. ``log.jsonl`` gets one line per step (every loss
@@ -35,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from dspark_jax.checkpoints.drafter import build_drafter, save_drafter
+from dspark_jax.checkpoints.drafter import CONFIG_FILE, build_drafter, load_drafter, save_drafter
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafter.model import select_draft_vocab
 from dspark_jax.training.losses import TrainBatch, drafter_loss, eagle3_loss
@@ -76,6 +81,7 @@ class TrainConfig:
     benchmarks_dir: str | None = None  # benchmark prompts the training prompts must not overlap
     cache_dir: str | None = None  # default: out_dir/cache (configs on one data set share one)
     cache_shards: int | None = None  # build and train on the cache's first N shards (default: all)
+    init_from: TrainConfig | str | None = None  # start from a trained drafter (see the module doc)
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
@@ -87,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"num_anchors ({self.num_anchors}) must be a multiple of anchor_chunk ({self.anchor_chunk})")
         if self.seq_len < self.cache.max_prompt_tokens + 2:
             raise ValueError("seq_len must leave room for response tokens after the longest prompt")
+        if not isinstance(self.init_from, (TrainConfig, str, type(None))):
+            raise ValueError(f"init_from must be a TrainConfig, a drafter directory or None, got {self.init_from!r}")
 
     @property
     def cache_path(self) -> Path:
@@ -95,6 +103,13 @@ class TrainConfig:
     @property
     def kind(self) -> str:
         return self.drafter.get("kind", "dspark")
+
+    @property
+    def init_dir(self) -> Path | None:
+        """The exported drafter this run starts from, if any."""
+        if isinstance(self.init_from, TrainConfig):
+            return Path(self.init_from.out_dir) / "drafter"
+        return None if self.init_from is None else Path(self.init_from)
 
 
 def load_config(path) -> TrainConfig:
@@ -288,15 +303,30 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig):
+    """The exported drafter at ``directory``, refused unless it is the drafter ``cfg`` describes
+    (its reduced vocabulary comes with it)."""
+    if not (directory / CONFIG_FILE).exists():
+        raise FileNotFoundError(f"init_from: no exported drafter at {directory} (train that run first)")
+    drafter = load_drafter(directory, target=target)
+    if drafter.cfg != cfg:
+        differ = sorted(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name))
+        raise ValueError(f"init_from: the drafter at {directory} differs from this config's in {differ}")
+    return drafter
+
+
 def train(config: TrainConfig, target, sequences, *, stop_after: int | None = None, progress: bool = True):
     """Train (resuming from the newest checkpoint in ``out_dir``); returns the trained drafter,
     or None when ``stop_after`` interrupted the run (what a kill looks like, for tests)."""
     out = Path(config.out_dir).absolute()
     cfg = drafter_config(config, target.cfg)
-    drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
     embed, head = jax.jit(target.embedding_and_head)(target.params)
-    if drafter.draft_head is not None:
-        drafter.init_draft_head(head)
+    if config.init_dir is not None:
+        drafter = warm_start(config.init_dir, cfg, target.cfg)
+    else:
+        drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
+        if drafter.draft_head is not None:
+            drafter.init_draft_head(head)
     graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
     tx = optimizer(config)
 
@@ -348,6 +378,8 @@ def train(config: TrainConfig, target, sequences, *, stop_after: int | None = No
 
 def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
     """The whole pipeline; returns the exported drafter directory (None if stopped early)."""
+    if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
+        run(config.init_from, progress=progress)
     target, tokenizer = load_target(config)
     cache_dir = build_cache(config, target, tokenizer, progress=progress)
     sequences = load_target_cache(cache_dir, config.cache_shards)
@@ -360,6 +392,7 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
     summary = {
         "config": config.name,
         "steps": config.steps,
+        "init_from": None if config.init_dir is None else str(config.init_dir),
         "sequences": len(sequences),
         "response_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences)),
         "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate") if k in last},
