@@ -1135,7 +1135,8 @@ def _domain_counts(num_prompts: int, mix: Mapping[str, float]) -> dict[str, int]
     return counts
 
 
-def _normalise(text: str) -> str:
+def normalise_text(text: str) -> str:
+    """Case- and whitespace-insensitive form of a prompt (what "the same prompt" means here)."""
     return " ".join(text.lower().split())
 
 
@@ -1159,7 +1160,7 @@ def build_prompts(num_prompts: int, seed: int = 0, mix: Mapping[str, float] = MI
                 raise RuntimeError(f"{domain}: only {made} distinct prompts after {attempts} draws; "
                                    f"its generators cannot supply {count}")
             text = generate(rng)
-            key = _normalise(text)
+            key = normalise_text(text)
             if key in seen:
                 continue
             seen.add(key)
@@ -1199,13 +1200,13 @@ def load_benchmark_prompts(path: str | Path) -> list[str]:
     return texts
 
 
-_BOILERPLATE_NORM = tuple(_normalise(b) for b in BOILERPLATE)
+_BOILERPLATE_NORM = tuple(normalise_text(b) for b in BOILERPLATE)
 
 
 def _words(text: str) -> list[str]:
     """Lowercased word tokens with the boilerplate removed; punctuation and spacing are ignored so
     that re-punctuating a copied sentence does not hide it."""
-    text = _normalise(text)
+    text = normalise_text(text)
     for b in _BOILERPLATE_NORM:
         text = text.replace(b, " ")
     return re.findall(r"\w+", text)

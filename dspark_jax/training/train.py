@@ -219,16 +219,21 @@ def optimizer(config: TrainConfig) -> optax.GradientTransformation:
     )
 
 
+def objective(drafter, config: TrainConfig, batch: TrainBatch, embed, head):
+    """``(loss, metrics)`` of one batch under the loss of the config's drafter kind (the cached
+    bf16 features are upcast first); training and held-out evaluation share it."""
+    batch = batch._replace(
+        features_BxSxF=batch.features_BxSxF.astype(jnp.float32),
+        target_hidden_BxSxD=batch.target_hidden_BxSxD.astype(jnp.float32),
+    )
+    if config.kind == "eagle3":
+        return eagle3_loss(drafter, embed, head, batch)
+    return drafter_loss(drafter, embed, head, batch, chunk_size=config.anchor_chunk)
+
+
 def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation):
     def loss_fn(params, rest, batch, embed, head):
-        drafter = nnx.merge(graphdef, params, rest)
-        batch = batch._replace(
-            features_BxSxF=batch.features_BxSxF.astype(jnp.float32),
-            target_hidden_BxSxD=batch.target_hidden_BxSxD.astype(jnp.float32),
-        )
-        if config.kind == "eagle3":
-            return eagle3_loss(drafter, embed, head, batch)
-        return drafter_loss(drafter, embed, head, batch, chunk_size=config.anchor_chunk)
+        return objective(nnx.merge(graphdef, params, rest), config, batch, embed, head)
 
     def step(params, opt_state, rest, batch, embed, head):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, embed, head)
@@ -268,14 +273,21 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
         checked = check_against_benchmarks(prompts, config.benchmarks_dir)
         if progress:
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
+    ids, names = render_prompts(config, prompts, tokenizer)
+    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
+    return writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+
+
+def render_prompts(config: TrainConfig, prompts, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Token ids (chat template) and ids of the prompts; longer than ``max_prompt_tokens`` are
+    left out, by rule."""
     ids, names = [], []
     for prompt in prompts:
         tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}])
-        if len(tokens) <= config.cache.max_prompt_tokens:  # longer prompts are left out, by rule
+        if len(tokens) <= config.cache.max_prompt_tokens:
             ids.append(tokens)
             names.append(prompt.id)
-    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
-    return writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+    return ids, names
 
 
 def draft_vocab(config: TrainConfig, sequences, vocab_size: int) -> np.ndarray | None:

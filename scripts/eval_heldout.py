@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Analytic τ of trained drafters on held-out answers vs on their training sequences.
+
+Training logs τ on the training batches, so it cannot show overfitting. This script draws fresh
+prompts of the same mix (``training/data.py`` with ``--data-seed``, minus any text in the
+training set and checked against the benchmark sets), has the target answer them into a small
+target cache (resumable, like the training cache), and scores every drafter of the given configs
+(each leg, when a config has ``init_from`` legs) with its training objective on:
+
+- ``heldout``: the fresh answers;
+- ``train``: as many training sequences, drawn at random.
+
+Both use the same anchor sampling as training. Writes JSON (``--out``); prints one line per
+drafter, then ``{"<leg>": {"heldout": τ, "train": τ}, ...}`` last. τ here is the analytic
+estimate of the training log (spec §5), not a decoding τ.
+
+    .venv/bin/python scripts/eval_heldout.py    # the three SmolLM2 configs, 48 held-out prompts
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SMOLLM2_CONFIGS = [str(REPO_ROOT / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash", "eagle3")]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", action="append", default=None,
+                    help="training config (repeatable; default: the three SmolLM2 configs); all must share one data set")
+    ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 48; --quick: 8)")
+    ap.add_argument("--data-seed", type=int, default=1, help="prompt seed of the held-out set (training uses the config's)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N})")
+    ap.add_argument("--quick", action="store_true", help="8 held-out prompts")
+    ap.add_argument("--out", default=str(REPO_ROOT / "docs" / "heldout_tau.json"))
+    args = ap.parse_args(argv)
+    if args.num_prompts is None:
+        args.num_prompts = 8 if args.quick else 48
+    if args.num_prompts < 1:
+        ap.error("--num-prompts must be >= 1")
+    if args.cache_dir is None:
+        args.cache_dir = f"runs/heldout_cache_seed{args.data_seed}_n{args.num_prompts}"
+    return args
+
+
+def heldout_prompts(config, num_prompts: int, seed: int):
+    """Fresh prompts of the training mix that are not in the training set (nor the benchmarks)."""
+    from dspark_jax.training.data import build_prompts, check_against_benchmarks, normalise_text
+
+    if seed == config.data_seed:
+        raise ValueError(f"--data-seed {seed} is the training seed: its prompts are the training prompts")
+    seen = {normalise_text(p.text) for p in build_prompts(config.num_prompts, seed=config.data_seed)}
+    fresh = [p for p in build_prompts(4 * num_prompts, seed=seed) if normalise_text(p.text) not in seen]
+    if config.benchmarks_dir is not None:
+        check_against_benchmarks(fresh, config.benchmarks_dir)
+    return fresh
+
+
+def drafter_legs(config):
+    """(name, exported drafter dir, config) of every leg of ``config``, first leg first."""
+    from dspark_jax.training.train import TrainConfig
+
+    legs = [config]
+    while isinstance(legs[0].init_from, TrainConfig):
+        legs.insert(0, legs[0].init_from)
+    return [(leg.name, Path(leg.out_dir) / "drafter", leg) for leg in legs]
+
+
+def mean_metrics(drafter, config, sequences, embed, head) -> dict:
+    """τ and per-slot acceptance under the training objective, averaged over whole batches."""
+    import jax
+    import numpy as np
+
+    from dspark_jax.training.train import BatchSource, objective
+
+    batch_size = min(config.batch_size, len(sequences))
+    source = BatchSource(sequences, dataclasses.replace(config, batch_size=batch_size))
+    score = jax.jit(lambda batch: objective(drafter, config, batch, embed, head)[1])
+    metrics = [jax.device_get(score(source.batch(step))) for step in range(source.steps_per_epoch)]
+    return {
+        "tau": float(np.mean([m["tau_probabilistic"] for m in metrics])),
+        "accept_rate": np.mean([m["accept_rate"] for m in metrics], axis=0).round(4).tolist(),
+        "sequences": source.steps_per_epoch * batch_size,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+    import numpy as np
+
+    from dspark_jax.checkpoints.drafter import load_drafter
+    from dspark_jax.training.target_cache import TargetCacheWriter, load_target_cache
+    from dspark_jax.training.train import load_config, load_target, render_prompts
+
+    configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
+    first = configs[0]
+    for config in configs[1:]:
+        if (config.num_prompts, config.data_seed, config.cache) != (first.num_prompts, first.data_seed, first.cache):
+            raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
+    target, tokenizer = load_target(first)
+    ids, names = render_prompts(first, heldout_prompts(first, args.num_prompts, args.data_seed), tokenizer)
+    ids, names = ids[: args.num_prompts], names[: args.num_prompts]
+    spec = dataclasses.replace(first.cache, shard_size=min(first.cache.shard_size, 16))
+    TargetCacheWriter(target, spec, args.cache_dir, stop_ids=[tokenizer.eos_token_id]).build(ids, names)
+    heldout = load_target_cache(args.cache_dir)
+    training = load_target_cache(first.cache_path, first.cache_shards)
+    rows = np.random.default_rng(0).choice(len(training), len(heldout), replace=False)
+    training = [training[i] for i in rows]
+    embed, head = jax.jit(target.embedding_and_head)(target.params)
+
+    results = {}
+    for config in configs:
+        for name, directory, leg in drafter_legs(config):
+            if not directory.exists():
+                print(f"{name}: no exported drafter at {directory}, skipped", file=sys.stderr)
+                continue
+            drafter = load_drafter(directory, target=target.cfg)
+            results[name] = {
+                "drafter": str(directory),
+                "heldout": mean_metrics(drafter, leg, heldout, embed, head),
+                "train": mean_metrics(drafter, leg, training, embed, head),
+            }
+            r = results[name]
+            print(f"{name:28s} τ held-out {r['heldout']['tau']:.3f}  train {r['train']['tau']:.3f}  "
+                  f"gap {r['train']['tau'] - r['heldout']['tau']:.3f}")
+    out = {
+        "heldout": {"prompts": len(heldout), "data_seed": args.data_seed, "cache": str(args.cache_dir),
+                    "domains": {d: sum(n.startswith(d) for n in names) for d in sorted({n.split("-")[0] for n in names})}},
+        "results": results,
+    }
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    print(json.dumps({name: {"heldout": r["heldout"]["tau"], "train": r["train"]["tau"]} for name, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
