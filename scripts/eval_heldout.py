@@ -72,16 +72,16 @@ def drafter_legs(config):
     return [(leg.name, Path(leg.out_dir) / "drafter", leg) for leg in legs]
 
 
-def mean_metrics(drafter, config, sequences, embed, head) -> dict:
-    """τ and per-slot acceptance under the training objective, averaged over whole batches."""
+def mean_metrics(score, config, sequences) -> dict:
+    """τ and per-slot acceptance of ``score`` (the jitted training objective's metrics), averaged
+    over whole batches drawn like training's."""
     import jax
     import numpy as np
 
-    from dspark_jax.training.train import BatchSource, objective
+    from dspark_jax.training.train import BatchSource
 
     batch_size = min(config.batch_size, len(sequences))
     source = BatchSource(sequences, dataclasses.replace(config, batch_size=batch_size))
-    score = jax.jit(lambda batch: objective(drafter, config, batch, embed, head)[1])
     metrics = [jax.device_get(score(source.batch(step))) for step in range(source.steps_per_epoch)]
     return {
         "tau": float(np.mean([m["tau_probabilistic"] for m in metrics])),
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     from dspark_jax.checkpoints.drafter import load_drafter
     from dspark_jax.training.target_cache import TargetCacheWriter, load_target_cache
-    from dspark_jax.training.train import load_config, load_target, render_prompts
+    from dspark_jax.training.train import load_config, load_target, objective, render_prompts
 
     configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
     first = configs[0]
@@ -122,10 +122,12 @@ def main(argv=None) -> int:
                 print(f"{name}: no exported drafter at {directory}, skipped", file=sys.stderr)
                 continue
             drafter = load_drafter(directory, target=target.cfg)
+            # One compiled scorer per drafter, for both sets (their batches have one shape).
+            score = jax.jit(lambda batch, drafter=drafter, leg=leg: objective(drafter, leg, batch, embed, head)[1])
             results[name] = {
                 "drafter": str(directory),
-                "heldout": mean_metrics(drafter, leg, heldout, embed, head),
-                "train": mean_metrics(drafter, leg, training, embed, head),
+                "heldout": mean_metrics(score, leg, heldout),
+                "train": mean_metrics(score, leg, training),
             }
             r = results[name]
             print(f"{name:28s} τ held-out {r['heldout']['tau']:.3f}  train {r['train']['tau']:.3f}  "

@@ -179,7 +179,7 @@ def test_init_from_an_exported_drafter_starts_where_it_left_off(tmp_path, tiny_r
     config, target, sequences = tiny_parts
     first = losses(tiny_run)
     # Same seed, so without the warm start this run would repeat the first run's step-0 loss.
-    leg = dataclasses.replace(config, out_dir=str(tmp_path / "leg"), steps=3, init_from=str(tiny_run / "drafter"))
+    leg = dataclasses.replace(config, out_dir=str(tmp_path / "leg"), steps=3, init_from=tiny_run / "drafter")  # a Path
     train(leg, target, sequences, progress=False)
     second = losses(tmp_path / "leg")
     assert second[0] < 0.7 * first[0] and second[0] < 1.3 * np.mean(first[-8:]), (first, second)

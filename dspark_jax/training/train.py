@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class TrainConfig:
     benchmarks_dir: str | None = None  # benchmark prompts the training prompts must not overlap
     cache_dir: str | None = None  # default: out_dir/cache (configs on one data set share one)
     cache_shards: int | None = None  # build and train on the cache's first N shards (default: all)
-    init_from: TrainConfig | str | None = None  # start from a trained drafter (see the module doc)
+    init_from: TrainConfig | str | os.PathLike | None = None  # start from a trained drafter (see the module doc)
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
@@ -93,7 +94,7 @@ class TrainConfig:
             raise ValueError(f"num_anchors ({self.num_anchors}) must be a multiple of anchor_chunk ({self.anchor_chunk})")
         if self.seq_len < self.cache.max_prompt_tokens + 2:
             raise ValueError("seq_len must leave room for response tokens after the longest prompt")
-        if not isinstance(self.init_from, (TrainConfig, str, type(None))):
+        if not isinstance(self.init_from, (TrainConfig, str, os.PathLike, type(None))):
             raise ValueError(f"init_from must be a TrainConfig, a drafter directory or None, got {self.init_from!r}")
 
     @property
