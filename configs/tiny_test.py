@@ -19,4 +19,6 @@ CONFIG = TrainConfig(
     anchor_chunk=16,
     learning_rate=3e-3,
     checkpoint_every=10,
+    heldout_prompts=8,
+    heldout_every=10,
 )

@@ -48,34 +48,65 @@ class SamplingParams(NamedTuple):
         return SamplingParams(*(jnp.repeat(x, steps) for x in self))
 
 
+# Top-k and top-p only look at the head of the sorted logits: the k-th value, and the mass down
+# to the top-p cutoff. A partial sort of this many candidates (``lax.top_k``) settles both for
+# the usual settings (top-k up to this, or a top-p cutoff within it) at about 1% of the cost of
+# a full-vocabulary sort, which on CPU dominated every sampled step (9 ms per row at V=49k).
+TOP_CANDIDATES = 256
+
+
 def filtered_logits(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
     """Temperature-scaled logits with top-k/top-p exclusions set to -inf (greedy rows: raw logits).
 
-    The descending sort that top-k/top-p need is skipped at run time when no row uses either.
+    Nothing is sorted when no row uses top-k or top-p. Otherwise each row is settled from its
+    ``TOP_CANDIDATES`` largest logits when they suffice; only a row that needs more (top-k above
+    that, or a top-p cutoff past it) makes the batch run a full sort. Which of the two settles a
+    row depends on that row alone, so a request's distribution does not depend on its batch.
     """
     logits = logits_BxV.astype(jnp.float32)
     greedy_B = params.temperature_B <= 0.0
     scaled = logits / jnp.where(greedy_B, 1.0, params.temperature_B)[:, None]
-    needs_filter = jnp.any(~greedy_B & ((params.top_k_B > 0) | (params.top_p_B < 1.0)))
+    filtering_B = ~greedy_B & ((params.top_k_B > 0) | (params.top_p_B < 1.0))
 
     def apply_filters(x):
         vocab = x.shape[-1]
-        sorted_desc = -jnp.sort(-x, axis=-1)
         k_B = jnp.where(params.top_k_B > 0, jnp.minimum(params.top_k_B, vocab), vocab)
-        kth_value = jnp.take_along_axis(sorted_desc, (k_B - 1)[:, None], axis=-1)
-        x = jnp.where(x < kth_value, -jnp.inf, x)
-        # top-p on the top-k-renormalised distribution: keep a token if the mass strictly before
-        # it (in descending order) is below p; the most likely token is always kept.
-        sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k_B[:, None], sorted_desc, -jnp.inf)
-        probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
-        keep_sorted = mass_before < params.top_p_B[:, None]
-        cutoff_index = jnp.sum(keep_sorted, axis=-1) - 1
-        cutoff_value = jnp.take_along_axis(sorted_desc, cutoff_index[:, None], axis=-1)
-        x = jnp.where(x < cutoff_value, -jnp.inf, x)
-        return jnp.where(greedy_B[:, None], scaled, x)
+        head, _ = jax.lax.top_k(x, min(TOP_CANDIDATES, vocab))
+        cutoff_B, settled_B = _cutoff(head, k_B, params.top_p_B, jax.nn.logsumexp(x, axis=-1), vocab)
 
-    return jax.lax.cond(needs_filter, apply_filters, lambda x: x, scaled)
+        def with_full_sort(cutoff_B):
+            full_B, _ = _cutoff(-jnp.sort(-x, axis=-1), k_B, params.top_p_B, None, vocab)
+            return jnp.where(settled_B, cutoff_B, full_B)
+
+        cutoff_B = jax.lax.cond(jnp.any(filtering_B & ~settled_B), with_full_sort, lambda c: c, cutoff_B)
+        cutoff_B = jnp.where(filtering_B, cutoff_B, -jnp.inf)
+        return jnp.where(greedy_B[:, None], scaled, jnp.where(x < cutoff_B[:, None], -jnp.inf, x))
+
+    return jax.lax.cond(jnp.any(filtering_B), apply_filters, lambda x: x, scaled)
+
+
+def _cutoff(sorted_desc, k_B, top_p_B, vocab_lse_B, vocab: int):
+    """``(cutoff_B, settled_B)`` from the ``n`` largest logits of each row, in descending order.
+
+    Tokens below ``cutoff_B`` are dropped: the k-th value, raised to the top-p cutoff (top-p keeps
+    a token while the top-k-renormalised mass strictly before it is below p, so the most likely
+    token always stays; p = 1 keeps all k). ``vocab_lse_B`` normalises rows without top-k; None
+    when ``sorted_desc`` is the whole row. ``settled_B`` is False where the n values cannot decide:
+    n < k < vocab (the normaliser needs the rest), or no top-k and top-p keeps all n.
+    """
+    n = sorted_desc.shape[-1]
+    in_top_k = jnp.arange(n)[None, :] < k_B[:, None]
+    masked = jnp.where(in_top_k, sorted_desc, -jnp.inf)
+    lse_B = jax.nn.logsumexp(masked, axis=-1)
+    if vocab_lse_B is not None:
+        lse_B = jnp.where(k_B > n, vocab_lse_B, lse_B)
+    probs = jnp.exp(masked - lse_B[:, None])
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    kept = in_top_k & ((mass_before < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
+    kept_B = jnp.sum(kept, axis=-1)
+    cutoff_B = jnp.take_along_axis(sorted_desc, (kept_B - 1)[:, None], axis=-1)[:, 0]
+    settled_B = (n == vocab) | (k_B <= n) | ((k_B == vocab) & (kept_B < n))
+    return cutoff_B, settled_B
 
 
 def probabilities(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:

@@ -58,6 +58,8 @@ def parse_args(argv):
     ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 2)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 32)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the identity check needs it)")
+    ap.add_argument("--top-k", type=int, default=0, help="with --temperature > 0; 0 = off")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0; 1 = off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
     ap.add_argument("--quick", action="store_true", help="2 prompts per domain, 32 new tokens")
@@ -136,9 +138,9 @@ def main(argv=None) -> int:
     from dspark_jax.eval.compare import Comparison, json_clean, macro, make_decoder, summarize
 
     try:
-        sampling = SamplingConfig(temperature=args.temperature)
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as error:
-        raise SystemExit(f"--temperature: {error}") from None
+        raise SystemExit(f"--temperature/--top-k/--top-p: {error}") from None
     policy = parse_policy_arg(args.policy)
     for spec in args.drafter:  # fail before the target loads
         check_drafter_arg(spec)
@@ -244,6 +246,8 @@ def main(argv=None) -> int:
             "prompts_per_domain": args.prompts_per_domain,
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
+            "top_k": args.top_k,
+            "top_p": args.top_p,
             "seed": args.seed,
             "repeats": args.repeats,
             "batch": 1,

@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Analytic τ of trained drafters on held-out answers vs on their training sequences.
 
-Training logs τ on the training batches, so it cannot show overfitting. This script draws fresh
-prompts of the same mix (``training/data.py`` with ``--data-seed``, minus any text in the
-training set and checked against the benchmark sets), has the target answer them into a small
-target cache (resumable, like the training cache), and scores every drafter of the given configs
-(each leg, when a config has ``init_from`` legs) with its training objective on:
+A run with ``heldout_prompts`` logs held-out τ while it trains; this script scores finished
+drafters after the fact, every leg side by side. It draws fresh prompts of the same mix
+(``train.heldout_prompts`` with ``--data-seed``: minus any text in the training set, checked
+against the benchmark sets), has the target answer them into a small target cache (resumable,
+like the training cache), and scores every drafter of the given configs (each leg, when a config
+has ``init_from`` legs) with its training objective on:
 
 - ``heldout``: the fresh answers;
-- ``train``: as many training sequences, drawn at random.
+- ``train``: as many training sequences, drawn at random from those every leg trained on.
 
 Both use the same anchor sampling as training. Writes JSON (``--out``); prints one line per
 drafter, then ``{"<leg>": {"heldout": τ, "train": τ}, ...}`` last. τ here is the analytic
@@ -49,19 +50,6 @@ def parse_args(argv):
     return args
 
 
-def heldout_prompts(config, num_prompts: int, seed: int):
-    """Fresh prompts of the training mix that are not in the training set (nor the benchmarks)."""
-    from dspark_jax.training.data import build_prompts, check_against_benchmarks, normalise_text
-
-    if seed == config.data_seed:
-        raise ValueError(f"--data-seed {seed} is the training seed: its prompts are the training prompts")
-    seen = {normalise_text(p.text) for p in build_prompts(config.num_prompts, seed=config.data_seed)}
-    fresh = [p for p in build_prompts(4 * num_prompts, seed=seed) if normalise_text(p.text) not in seen]
-    if config.benchmarks_dir is not None:
-        check_against_benchmarks(fresh, config.benchmarks_dir)
-    return fresh
-
-
 def drafter_legs(config):
     """(name, exported drafter dir, config) of every leg of ``config``, first leg first."""
     from dspark_jax.training.train import TrainConfig
@@ -72,32 +60,21 @@ def drafter_legs(config):
     return [(leg.name, Path(leg.out_dir) / "drafter", leg) for leg in legs]
 
 
-def mean_metrics(score, config, sequences) -> dict:
-    """τ and per-slot acceptance of ``score`` (the jitted training objective's metrics), averaged
-    over whole batches drawn like training's."""
-    import jax
-    import numpy as np
-
-    from dspark_jax.training.train import BatchSource
-
-    batch_size = min(config.batch_size, len(sequences))
-    source = BatchSource(sequences, dataclasses.replace(config, batch_size=batch_size))
-    metrics = [jax.device_get(score(source.batch(step))) for step in range(source.steps_per_epoch)]
-    return {
-        "tau": float(np.mean([m["tau_probabilistic"] for m in metrics])),
-        "accept_rate": np.mean([m["accept_rate"] for m in metrics], axis=0).round(4).tolist(),
-        "sequences": source.steps_per_epoch * batch_size,
-    }
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
     import numpy as np
 
     from dspark_jax.checkpoints.drafter import load_drafter
-    from dspark_jax.training.target_cache import TargetCacheWriter, load_target_cache
-    from dspark_jax.training.train import load_config, load_target, objective, render_prompts
+    from dspark_jax.training.target_cache import load_target_cache
+    from dspark_jax.training.train import (
+        build_heldout_cache,
+        load_config,
+        load_target,
+        mean_metrics,
+        objective,
+        shards_trained_on,
+    )
 
     configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
     first = configs[0]
@@ -105,12 +82,13 @@ def main(argv=None) -> int:
         if (config.num_prompts, config.data_seed, config.cache) != (first.num_prompts, first.data_seed, first.cache):
             raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
     target, tokenizer = load_target(first)
-    ids, names = render_prompts(first, heldout_prompts(first, args.num_prompts, args.data_seed), tokenizer)
-    ids, names = ids[: args.num_prompts], names[: args.num_prompts]
-    spec = dataclasses.replace(first.cache, shard_size=min(first.cache.shard_size, 16))
-    TargetCacheWriter(target, spec, args.cache_dir, stop_ids=[tokenizer.eos_token_id]).build(ids, names)
-    heldout = load_target_cache(args.cache_dir)
-    training = load_target_cache(first.cache_path, first.cache_shards)
+    heldout_config = dataclasses.replace(first, heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
+                                         heldout_cache_dir=args.cache_dir)
+    heldout = build_heldout_cache(heldout_config, target, tokenizer)
+    names = [s.name for s in heldout]
+    # Training sequences from the shards every leg trained on (later legs may add data).
+    shared = min(shards_trained_on(leg, tokenizer) for config in configs for _, _, leg in drafter_legs(config))
+    training = load_target_cache(first.cache_path, shared)
     rows = np.random.default_rng(0).choice(len(training), len(heldout), replace=False)
     training = [training[i] for i in rows]
     embed, head = jax.jit(target.embedding_and_head)(target.params)

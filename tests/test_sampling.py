@@ -7,6 +7,7 @@ import pytest
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.sampling import (
+    TOP_CANDIDATES,
     SamplingParams,
     filtered_logits,
     probabilities,
@@ -58,6 +59,37 @@ def test_probabilities_match_reference_per_row():
     for row, c in enumerate(CASES):
         ref = reference_probs(logits[row].astype(np.float64), c.temperature, c.top_k, c.top_p)
         np.testing.assert_allclose(got[row], ref, atol=1e-6, err_msg=str(c))
+
+
+def test_large_vocab_rows_match_reference_and_do_not_depend_on_batch():
+    """With more tokens than ``TOP_CANDIDATES``: rows settled by the partial sort (small top-k,
+    top-p cut early) and rows that need the full sort (top-k above the candidates, top-p past
+    them) all match the reference, and each row alone equals itself in the mixed batch."""
+    vocab = 4 * TOP_CANDIDATES
+    rng = np.random.default_rng(5)
+    peaked = rng.normal(size=vocab) * 4
+    flat = rng.normal(size=vocab) * 0.1
+    rows = [
+        (peaked, SamplingConfig(temperature=1.0, top_k=7)),
+        (peaked, SamplingConfig(temperature=0.7, top_p=0.9)),
+        (flat, SamplingConfig(temperature=1.0, top_p=0.9)),  # cutoff far past the candidates
+        (flat, SamplingConfig(temperature=1.0, top_k=TOP_CANDIDATES + 50)),
+        (flat, SamplingConfig(temperature=1.0, top_k=TOP_CANDIDATES + 50, top_p=0.5)),
+        (peaked, SamplingConfig(temperature=1.0, top_k=3, top_p=1.0)),
+        (flat, SamplingConfig(temperature=1.0)),
+        (peaked, SamplingConfig()),
+    ]
+    logits = jnp.asarray(np.stack([r for r, _ in rows]), jnp.float32)
+    params = SamplingParams.from_configs([c for _, c in rows])
+    batched = np.asarray(probabilities(logits, params))
+    batched_filtered = np.asarray(filtered_logits(logits, params))
+    for row, (x, c) in enumerate(rows):
+        ref = reference_probs(np.asarray(logits[row], np.float64), c.temperature, c.top_k, c.top_p)
+        assert ((batched[row] > 0) == (ref > 0)).all(), c
+        np.testing.assert_allclose(batched[row], ref, atol=1e-6, err_msg=str(c))
+        # Filtering is elementwise once the cutoff is known: equal cutoffs give equal bits.
+        alone = np.asarray(filtered_logits(logits[row : row + 1], SamplingParams.from_configs([c])))[0]
+        np.testing.assert_array_equal(alone, batched_filtered[row], err_msg=str(c))
 
 
 def test_top_k_keeps_ties_and_top_p_keeps_argmax():

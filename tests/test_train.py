@@ -83,6 +83,13 @@ def test_tiny_training_loss_falls_and_exports_a_loadable_drafter(tiny_run, embed
     for key in ("ce", "tv", "conf", "accept_rate", "tau_probabilistic", "grad_norm", "lr"):
         assert key in records[-1], key
     assert records[-1]["tau_probabilistic"] > records[0]["tau_probabilistic"]
+    # Held-out τ every heldout_every steps and at the end, on answers to prompts it never saw.
+    config = load_config(TINY)
+    scored = [r["step"] for r in records if "heldout_tau" in r]
+    assert scored == list(range(config.heldout_every - 1, config.steps, config.heldout_every)), scored
+    heldout = [r["heldout_tau"] for r in records if "heldout_tau" in r]
+    assert all(1.0 <= t <= 1 + config.drafter["block_size"] for t in heldout), heldout
+    assert heldout[-1] > heldout[0], heldout
     target = embedded_target[0].truncated(2)
     drafter = load_drafter(tiny_run / "drafter", target=target.cfg)
     assert drafter.cfg.block_size == 4
@@ -151,6 +158,71 @@ def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, tiny_p
         TargetCacheWriter(target, other, tmp_path / "whole", stop_ids=[tokenizer.eos_token_id]).build(
             prompts, names, progress=False)
     assert target_cache.shard_done(tmp_path / "whole", 2)
+
+
+def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, monkeypatch, embedded_target):
+    """Appending prompts keeps the finished shards (not regenerated) and adds the new ones, which
+    equal a cache built from scratch; the shorter list stays readable; other prompts are refused."""
+    _, target, _ = tiny_parts
+    tokenizer = embedded_target[1]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Name {i} colours."}]) for i in range(6)]
+    names = [f"p{i}" for i in range(6)]
+    spec = CacheSpec(tap_layers=(0,), max_new_tokens=8, max_prompt_tokens=64, temperature=0.0,
+                     shard_size=2, batch_size=2, min_response_tokens=1)
+
+    def build(path, n):
+        return TargetCacheWriter(target, spec, path, stop_ids=[tokenizer.eos_token_id]).build(
+            prompts[:n], names[:n], progress=False)
+
+    assert build(tmp_path / "whole", 6) == 3
+    assert build(tmp_path / "grown", 4) == 2
+    first_shard = (tmp_path / "grown" / "shard-00000.safetensors").stat().st_mtime_ns
+    written = []
+    original = TargetCacheWriter._write_shard
+    monkeypatch.setattr(TargetCacheWriter, "_write_shard",
+                        lambda self, shard, *a: (written.append(shard), original(self, shard, *a)))
+    build(tmp_path / "grown", 6)
+    assert written == [2]
+    assert (tmp_path / "grown" / "shard-00000.safetensors").stat().st_mtime_ns == first_shard
+    whole, grown = load_target_cache(tmp_path / "whole"), load_target_cache(tmp_path / "grown")
+    assert [s.name for s in grown] == names
+    for a, b in zip(whole, grown):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.features, b.features)
+    # The shorter list it grew from (an earlier training leg) is still served: its own shards.
+    assert build(tmp_path / "grown", 4) == 2
+    assert [s.name for s in load_target_cache(tmp_path / "grown", 2)] == names[:4]
+    with pytest.raises(ValueError, match="neither extend"):
+        TargetCacheWriter(target, spec, tmp_path / "grown", stop_ids=[tokenizer.eos_token_id]).build(
+            prompts[1:] + prompts[:2], names[1:] + names[:2], progress=False)
+    # A partial last shard is written again with the prompts that complete it.
+    build(tmp_path / "partial", 3)
+    written.clear()
+    build(tmp_path / "partial", 6)
+    assert written == [1, 2]
+    partial = load_target_cache(tmp_path / "partial")
+    assert [s.name for s in partial] == names
+    for a, b in zip(whole, partial):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+
+
+def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_parts):
+    from dspark_jax.training.train import heldout_prompts, training_prompts
+
+    config = dataclasses.replace(tiny_parts[0], num_prompts=40)
+    one = training_prompts(config)
+    two = training_prompts(dataclasses.replace(config, data_seed=(0, 5)))
+    assert two[: len(one)] == one and len(one) == 40
+    assert 40 < len(two) <= 80
+    assert len({p.id for p in two}) == len(two) and all(p.id.endswith("@s5") for p in two[40:])
+    assert len({p.text for p in two}) == len(two)
+    with pytest.raises(ValueError, match="distinct"):
+        dataclasses.replace(config, data_seed=(0, 0))
+    # The held-out prompts avoid every seed's training prompts; a data seed cannot be held out.
+    held = heldout_prompts(dataclasses.replace(config, data_seed=(0, 5), heldout_prompts=30, heldout_seed=1))
+    assert len(held) >= 30 and not {p.text for p in held} & {p.text for p in two}
+    with pytest.raises(ValueError, match="heldout_seed 5 is a data seed"):
+        dataclasses.replace(config, data_seed=(0, 5), heldout_prompts=30, heldout_seed=5)
 
 
 def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):

@@ -17,7 +17,10 @@ holds its sequences concatenated (``offsets`` delimits them); floats are bfloat1
 precision DeepSpec stores (hidden states of a bf16-trained model carry no more). At
 SmolLM2-135M with 5 taps that is (5 + 1)·576·2 + 4 + 1 + 4 = 6,921 bytes per token. Prompts map
 to shards by index and a shard is written to a temporary name and renamed when complete, so a
-killed run resumes at the first missing shard, losing and duplicating nothing.
+killed run resumes at the first missing shard, losing and duplicating nothing. For the same
+reason a cache grows in place when prompts are appended to its list (more data seeds); the
+manifest then describes the longest list and keeps the shorter ones in ``grown_from``, so a run
+on a shorter list (an earlier training leg) still reads its own prefix of shards.
 """
 
 from __future__ import annotations
@@ -139,25 +142,55 @@ class TargetCacheWriter:
             "hidden_size": self.target.cfg.hidden_size,
         }))
 
-    def _check_manifest(self, manifest: dict) -> None:
+    def _check_manifest(self, manifest: dict, prompt_ids) -> int:
+        """Start a cache, resume one, grow one whose prompts are a prefix of these, or serve a
+        list the cache grew from; returns how many shards these prompts span."""
         path = self.dir / MANIFEST
-        if path.exists():
-            existing = json.loads(path.read_text())
-            if existing != manifest:
-                changed = sorted(k for k in set(existing) | set(manifest) if existing.get(k) != manifest.get(k))
-                raise ValueError(
-                    f"{self.dir} holds a target cache built differently (fields {changed} differ); "
-                    "use another directory or delete it to rebuild"
-                )
-        else:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(manifest, indent=2) + "\n")
+        if not path.exists():
+            self._write_manifest(manifest)
+            return manifest["num_shards"]
+        existing = json.loads(path.read_text())
+        keys = (set(existing) | set(manifest)) - {"grown_from"}
+        changed = sorted(k for k in keys if existing.get(k) != manifest.get(k))
+        if not changed:
+            return manifest["num_shards"]
+        if not set(changed) <= {"num_prompts", "prompts_digest", "num_shards"}:
+            raise ValueError(
+                f"{self.dir} holds a target cache built differently (fields {changed} differ); "
+                "use another directory or delete it to rebuild"
+            )
+        listed = {"num_prompts": manifest["num_prompts"], "prompts_digest": manifest["prompts_digest"]}
+        if listed in existing.get("grown_from", []):  # an earlier, shorter list: its shards are done
+            return manifest["num_shards"]
+        old = existing["num_prompts"]
+        if not (old < len(prompt_ids) and _prompt_digest(prompt_ids[:old]) == existing["prompts_digest"]):
+            raise ValueError(
+                f"{self.dir} holds a target cache of other prompts ({old} prompts; these {len(prompt_ids)} "
+                "neither extend them nor are a list it grew from); use another directory or delete it to rebuild"
+            )
+        # Shards are fixed runs of shard_size prompts seeded by index, so the full ones stay valid
+        # when prompts are appended; a partial last shard is written again with its new prompts
+        # (removed before the manifest changes, so a kill in between leaves it simply missing).
+        if old % self.spec.shard_size:
+            stem = self.dir / f"shard-{old // self.spec.shard_size:05d}"
+            for suffix in (".json", ".safetensors"):
+                stem.with_suffix(suffix).unlink(missing_ok=True)
+        earlier = {"num_prompts": old, "prompts_digest": existing["prompts_digest"]}
+        self._write_manifest({**manifest, "grown_from": existing.get("grown_from", []) + [earlier]})
+        return manifest["num_shards"]
+
+    def _write_manifest(self, manifest: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, self.dir / MANIFEST)
 
     def build(
         self, prompt_ids: Sequence[Sequence[int]], prompt_names: Sequence[str], *, progress: bool = True,
         num_shards: int | None = None,
-    ) -> Path:
-        """Write every missing shard (only the first ``num_shards`` when given)."""
+    ) -> int:
+        """Write every missing shard of these prompts (only the first ``num_shards`` when given);
+        returns how many shards they span, which is what ``load_target_cache`` should read."""
         if len(prompt_ids) != len(prompt_names):
             raise ValueError("need one name per prompt")
         too_long = [n for n, p in zip(prompt_names, prompt_ids) if len(p) > self.spec.max_prompt_tokens]
@@ -167,9 +200,9 @@ class TargetCacheWriter:
                 f"(e.g. {too_long[:3]}); filter them before building the cache"
             )
         manifest = self.manifest(prompt_ids)
-        self._check_manifest(manifest)
+        spanned = self._check_manifest(manifest, prompt_ids)
         size = self.spec.shard_size
-        shards = range(manifest["num_shards"] if num_shards is None else min(num_shards, manifest["num_shards"]))
+        shards = range(spanned if num_shards is None else min(num_shards, spanned))
         todo = [i for i in shards if not shard_done(self.dir, i)]
         total = min(len(prompt_ids), len(shards) * size)
         bar = tqdm(total=total, desc="target cache", disable=not progress, unit="prompt")
@@ -179,7 +212,7 @@ class TargetCacheWriter:
             self._write_shard(shard, prompt_ids[lo : lo + size], prompt_names[lo : lo + size], lo)
             bar.update(len(prompt_ids[lo : lo + size]))
         bar.close()
-        return self.dir
+        return len(shards)
 
     def _respond(self, prompts, first_index: int) -> list[list[int]]:
         """The target's responses, in batches of ``batch_size`` sorted by prompt length."""

@@ -19,7 +19,9 @@ already exported), so one command reproduces a multi-leg run.
 Resume is exact: the data order and the anchors of step ``t`` are functions of ``(seed, t)``
 alone, and the checkpoint holds parameters and optimizer state, so a killed run continues with
 the same loss curve as an uninterrupted one. ``log.jsonl`` gets one line per step (every loss
-term, the analytic acceptance estimate, learning rate, gradient norm).
+term, the analytic acceptance estimate, learning rate, gradient norm), and with
+``heldout_prompts`` the τ and loss on the target's answers to fresh prompts of the mix every
+``heldout_every`` steps: the curve that says when more steps on this data stop paying.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ class TrainConfig:
     out_dir: str
     cache: CacheSpec
     drafter: dict
-    num_prompts: int = 1000
-    data_seed: int = 0
+    num_prompts: int = 1000  # per data seed
+    data_seed: int | tuple[int, ...] = 0  # more seeds, more prompts (see training_prompts)
     target_layers: int | None = None  # keep only the embedded target's first N layers (tiny_test)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step, across all devices
@@ -81,15 +83,28 @@ class TrainConfig:
     storage_dtype: str = "bfloat16"  # of the exported drafter's weights
     benchmarks_dir: str | None = None  # benchmark prompts the training prompts must not overlap
     cache_dir: str | None = None  # default: out_dir/cache (configs on one data set share one)
-    cache_shards: int | None = None  # build and train on the cache's first N shards (default: all)
+    cache_shards: int | None = None  # build and train on the cache's first N shards (default: all its prompts span)
     init_from: TrainConfig | str | os.PathLike | None = None  # start from a trained drafter (see the module doc)
+    # Held-out answers scored every ``heldout_every`` steps (see ``heldout_prompts``); 0: none.
+    heldout_prompts: int = 0
+    heldout_seed: int = 1
+    heldout_every: int = 50
+    heldout_cache_dir: str | None = None  # default: out_dir/heldout_cache
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
             object.__setattr__(self, "cache", CacheSpec(**self.cache))
-        for name in ("steps", "batch_size", "seq_len", "num_anchors", "anchor_chunk", "checkpoint_every", "num_prompts"):
+        for name in ("steps", "batch_size", "seq_len", "num_anchors", "anchor_chunk", "checkpoint_every", "num_prompts",
+                     "heldout_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        seeds = self.data_seeds
+        if not seeds or len(set(seeds)) != len(seeds):
+            raise ValueError(f"TrainConfig.data_seed must be an int or distinct ints, got {self.data_seed!r}")
+        if self.heldout_prompts < 0:
+            raise ValueError(f"TrainConfig.heldout_prompts must be >= 0, got {self.heldout_prompts}")
+        if self.heldout_prompts and self.heldout_seed in seeds:
+            raise ValueError(f"heldout_seed {self.heldout_seed} is a data seed: its prompts are training prompts")
         if self.num_anchors % self.anchor_chunk:
             raise ValueError(f"num_anchors ({self.num_anchors}) must be a multiple of anchor_chunk ({self.anchor_chunk})")
         if self.seq_len < self.cache.max_prompt_tokens + 2:
@@ -102,6 +117,14 @@ class TrainConfig:
         return Path(self.cache_dir) if self.cache_dir is not None else Path(self.out_dir) / "cache"
 
     @property
+    def heldout_cache_path(self) -> Path:
+        return Path(self.heldout_cache_dir) if self.heldout_cache_dir is not None else Path(self.out_dir) / "heldout_cache"
+
+    @property
+    def data_seeds(self) -> tuple[int, ...]:
+        return (self.data_seed,) if isinstance(self.data_seed, int) else tuple(self.data_seed)
+
+    @property
     def kind(self) -> str:
         return self.drafter.get("kind", "dspark")
 
@@ -111,6 +134,17 @@ class TrainConfig:
         if isinstance(self.init_from, TrainConfig):
             return Path(self.init_from.out_dir) / "drafter"
         return None if self.init_from is None else Path(self.init_from)
+
+
+def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> TrainConfig:
+    """``config`` with another drafter, and so every leg it starts from: a baseline trained leg for
+    leg on the same data and budget. ``rename = (old, new)`` rewrites names and out_dirs."""
+    start = config.init_from
+    if isinstance(start, TrainConfig):
+        start = same_legs(start, drafter, rename)
+    old, new = rename
+    return dataclasses.replace(config, name=config.name.replace(old, new), out_dir=config.out_dir.replace(old, new),
+                               drafter=drafter, init_from=start)
 
 
 def load_config(path) -> TrainConfig:
@@ -245,6 +279,19 @@ def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformat
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def mean_metrics(score, config: TrainConfig, sequences: list[CachedSequence]) -> dict:
+    """τ, per-slot acceptance and loss of ``score`` (batch -> the objective's metrics, jitted),
+    averaged over whole batches of ``sequences`` drawn like training's first epoch."""
+    source = BatchSource(sequences, config)
+    metrics = [jax.device_get(score(source.batch(step))) for step in range(source.steps_per_epoch)]
+    return {
+        "tau": float(np.mean([m["tau_probabilistic"] for m in metrics])),
+        "loss": float(np.mean([m["loss"] for m in metrics])),
+        "accept_rate": np.mean([m["accept_rate"] for m in metrics], axis=0).round(4).tolist(),
+        "sequences": source.steps_per_epoch * config.batch_size,
+    }
+
+
 def make_mesh(data_parallel: int | None) -> Mesh:
     devices = jax.devices()
     n = len(devices) if data_parallel is None else data_parallel
@@ -266,10 +313,29 @@ def load_target(config: TrainConfig):
     return target, tokenizer
 
 
-def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> Path:
-    from dspark_jax.training.data import build_prompts, check_against_benchmarks
+def training_prompts(config: TrainConfig) -> list:
+    """``num_prompts`` prompts from each data seed, seeds in order, a text an earlier seed already
+    gave dropped. Appending a seed appends prompts: the cache built for the shorter list is a
+    prefix of the new one and grows (``TargetCacheWriter``). Ids of later seeds carry the seed
+    (``math-000012@s2``) so that every id stays unique."""
+    from dspark_jax.training.data import build_prompts, normalise_text
 
-    prompts = build_prompts(config.num_prompts, seed=config.data_seed)
+    seen, prompts = set(), []
+    for i, seed in enumerate(config.data_seeds):
+        for prompt in build_prompts(config.num_prompts, seed=seed):
+            key = normalise_text(prompt.text)
+            if key not in seen:
+                seen.add(key)
+                prompts.append(prompt if i == 0 else dataclasses.replace(prompt, id=f"{prompt.id}@s{seed}"))
+    return prompts
+
+
+def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> int:
+    """Build or resume (or grow) the config's target cache; returns how many of its shards this
+    config trains on."""
+    from dspark_jax.training.data import check_against_benchmarks
+
+    prompts = training_prompts(config)
     if config.benchmarks_dir is not None:
         checked = check_against_benchmarks(prompts, config.benchmarks_dir)
         if progress:
@@ -277,6 +343,41 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
     ids, names = render_prompts(config, prompts, tokenizer)
     writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
     return writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+
+
+def heldout_prompts(config: TrainConfig) -> list:
+    """Fresh prompts of the training mix (``heldout_seed``) with every training prompt's text
+    removed (and checked against the benchmarks), in order; the first ``heldout_prompts`` that
+    fit ``max_prompt_tokens`` are the held-out set."""
+    from dspark_jax.training.data import build_prompts, check_against_benchmarks, normalise_text
+
+    seen = {normalise_text(p.text) for p in training_prompts(config)}
+    fresh = [p for p in build_prompts(4 * config.heldout_prompts, seed=config.heldout_seed)
+             if normalise_text(p.text) not in seen]
+    if config.benchmarks_dir is not None:
+        check_against_benchmarks(fresh, config.benchmarks_dir)
+    return fresh
+
+
+def build_heldout_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> list[CachedSequence]:
+    """The target's answers to the held-out prompts, cached like the training set's (resumable)."""
+    ids, names = render_prompts(config, heldout_prompts(config), tokenizer)
+    ids, names = ids[: config.heldout_prompts], names[: config.heldout_prompts]
+    spec = dataclasses.replace(config.cache, shard_size=min(config.cache.shard_size, 16))
+    TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id]).build(
+        ids, names, progress=progress)
+    sequences = load_target_cache(config.heldout_cache_path)
+    if len(sequences) < config.batch_size:
+        raise ValueError(f"{len(sequences)} held-out sequences are fewer than batch_size {config.batch_size}; "
+                         "raise heldout_prompts")
+    return sequences
+
+
+def shards_trained_on(config: TrainConfig, tokenizer) -> int:
+    """How many of the cache's first shards ``config`` trains on (what ``build_cache`` returns)."""
+    ids, _ = render_prompts(config, training_prompts(config), tokenizer)
+    spanned = -(-len(ids) // config.cache.shard_size)
+    return spanned if config.cache_shards is None else min(config.cache_shards, spanned)
 
 
 def render_prompts(config: TrainConfig, prompts, tokenizer) -> tuple[list[list[int]], list[str]]:
@@ -328,9 +429,11 @@ def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig):
     return drafter
 
 
-def train(config: TrainConfig, target, sequences, *, stop_after: int | None = None, progress: bool = True):
+def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: int | None = None,
+          progress: bool = True):
     """Train (resuming from the newest checkpoint in ``out_dir``); returns the trained drafter,
-    or None when ``stop_after`` interrupted the run (what a kill looks like, for tests)."""
+    or None when ``stop_after`` interrupted the run (what a kill looks like, for tests). With
+    ``heldout`` sequences, every ``heldout_every``-th step and the last also log their τ and loss."""
     out = Path(config.out_dir).absolute()
     cfg = drafter_config(config, target.cfg)
     embed, head = jax.jit(target.embedding_and_head)(target.params)
@@ -365,6 +468,8 @@ def train(config: TrainConfig, target, sequences, *, stop_after: int | None = No
 
     source = BatchSource(sequences, config)
     step_fn = make_train_step(graphdef, config, tx)
+    score = jax.jit(lambda params, rest, batch, embed, head:
+                    objective(nnx.merge(graphdef, params, rest), config, batch, embed, head)[1])
     lr = schedule(config)
     bar = tqdm(total=config.steps, initial=start, desc=f"train {config.name}", disable=not progress)
     with log_path.open("a") as log:
@@ -373,11 +478,14 @@ def train(config: TrainConfig, target, sequences, *, stop_after: int | None = No
             batch = jax.device_put(source.batch(step), by_row)
             params, opt_state, metrics = step_fn(params, opt_state, rest, batch, embed, head)
             record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
+            done = step + 1
+            if heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
+                scored = mean_metrics(lambda b: score(params, rest, jax.device_put(b, by_row), embed, head), config, heldout)
+                record.update(heldout_tau=scored["tau"], heldout_loss=scored["loss"])
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
-            done = step + 1
             manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
                          force=done == config.steps)
             if stop_after is not None and done == stop_after and done < config.steps:
@@ -394,10 +502,11 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
     if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
         run(config.init_from, progress=progress)
     target, tokenizer = load_target(config)
-    cache_dir = build_cache(config, target, tokenizer, progress=progress)
-    sequences = load_target_cache(cache_dir, config.cache_shards)
+    shards = build_cache(config, target, tokenizer, progress=progress)
+    sequences = load_target_cache(config.cache_path, shards)
+    heldout = build_heldout_cache(config, target, tokenizer, progress=progress) if config.heldout_prompts else None
     start = time.perf_counter()
-    drafter = train(config, target, sequences, stop_after=stop_after, progress=progress)
+    drafter = train(config, target, sequences, heldout=heldout, stop_after=stop_after, progress=progress)
     if drafter is None:
         return None
     records = [json.loads(line) for line in (Path(config.out_dir) / LOG_FILE).read_text().splitlines()]
@@ -408,7 +517,7 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
         "init_from": None if config.init_dir is None else str(config.init_dir),
         "sequences": len(sequences),
         "response_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences)),
-        "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate") if k in last},
+        "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate", "heldout_tau") if k in last},
         "train_seconds_this_run": time.perf_counter() - start,
     }
     return save_drafter(drafter, Path(config.out_dir) / "drafter", storage_dtype=config.storage_dtype, metadata=summary)
