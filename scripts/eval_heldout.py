@@ -66,14 +66,14 @@ def main(argv=None) -> int:
     import numpy as np
 
     from dspark_jax.checkpoints.drafter import load_drafter
-    from dspark_jax.training.target_cache import load_target_cache
     from dspark_jax.training.train import (
         build_heldout_cache,
         load_config,
         load_target,
+        load_training_set,
         mean_metrics,
         objective,
-        shards_trained_on,
+        training_names,
     )
 
     configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
@@ -86,9 +86,9 @@ def main(argv=None) -> int:
                                          heldout_cache_dir=args.cache_dir)
     heldout = build_heldout_cache(heldout_config, target, tokenizer)
     names = [s.name for s in heldout]
-    # Training sequences from the shards every leg trained on (later legs may add data).
-    shared = min(shards_trained_on(leg, tokenizer) for config in configs for _, _, leg in drafter_legs(config))
-    training = load_target_cache(first.cache_path, shared)
+    # Training sequences every leg trained on (a later leg may add prompts; lists only grow).
+    shared = min((training_names(leg, tokenizer) for config in configs for _, _, leg in drafter_legs(config)), key=len)
+    training = load_training_set(first, shared)
     rows = np.random.default_rng(0).choice(len(training), len(heldout), replace=False)
     training = [training[i] for i in rows]
     embed, head = jax.jit(target.embedding_and_head)(target.params)

@@ -83,7 +83,7 @@ def test_large_vocab_rows_match_reference_and_do_not_depend_on_batch():
     params = SamplingParams.from_configs([c for _, c in rows])
     batched = np.asarray(probabilities(logits, params))
     batched_filtered = np.asarray(filtered_logits(logits, params))
-    for row, (x, c) in enumerate(rows):
+    for row, (_, c) in enumerate(rows):
         ref = reference_probs(np.asarray(logits[row], np.float64), c.temperature, c.top_k, c.top_p)
         assert ((batched[row] > 0) == (ref > 0)).all(), c
         np.testing.assert_allclose(batched[row], ref, atol=1e-6, err_msg=str(c))

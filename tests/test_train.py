@@ -20,6 +20,7 @@ from dspark_jax.training.train import (
     LOG_FILE,
     BatchSource,
     load_config,
+    load_training_set,
     run,
     sample_anchors,
     train,
@@ -204,6 +205,9 @@ def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, mo
     assert [s.name for s in partial] == names
     for a, b in zip(whole, partial):
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
+    # A run on the 3-prompt list reads its 3 answers, not the one appended to its last shard.
+    config = dataclasses.replace(tiny_parts[0], cache=spec, cache_dir=str(tmp_path / "partial"))
+    assert [s.name for s in load_training_set(config, names[:3])] == names[:3]
 
 
 def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_parts):

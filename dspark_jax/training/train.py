@@ -330,9 +330,9 @@ def training_prompts(config: TrainConfig) -> list:
     return prompts
 
 
-def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> int:
-    """Build or resume (or grow) the config's target cache; returns how many of its shards this
-    config trains on."""
+def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> list[str]:
+    """Build or resume (or grow) the config's target cache; returns the ids of the prompts this
+    config trains on (what ``load_training_set`` takes)."""
     from dspark_jax.training.data import check_against_benchmarks
 
     prompts = training_prompts(config)
@@ -342,7 +342,25 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
     writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
-    return writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+    writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+    return _within_cache_shards(config, names)
+
+
+def training_names(config: TrainConfig, tokenizer) -> list[str]:
+    """Ids of the prompts ``config`` trains on, in cache order (``build_cache`` without building)."""
+    return _within_cache_shards(config, render_prompts(config, training_prompts(config), tokenizer)[1])
+
+
+def _within_cache_shards(config: TrainConfig, names: list[str]) -> list[str]:
+    return names if config.cache_shards is None else names[: config.cache_shards * config.cache.shard_size]
+
+
+def load_training_set(config: TrainConfig, names: list[str]) -> list[CachedSequence]:
+    """The cached sequences of these prompts: the shards they span, less the answers to later
+    prompts that a grown cache put in their last shard."""
+    wanted = set(names)
+    shards = -(-len(names) // config.cache.shard_size)
+    return [s for s in load_target_cache(config.cache_path, shards) if s.name in wanted]
 
 
 def heldout_prompts(config: TrainConfig) -> list:
@@ -371,13 +389,6 @@ def build_heldout_cache(config: TrainConfig, target, tokenizer, *, progress: boo
         raise ValueError(f"{len(sequences)} held-out sequences are fewer than batch_size {config.batch_size}; "
                          "raise heldout_prompts")
     return sequences
-
-
-def shards_trained_on(config: TrainConfig, tokenizer) -> int:
-    """How many of the cache's first shards ``config`` trains on (what ``build_cache`` returns)."""
-    ids, _ = render_prompts(config, training_prompts(config), tokenizer)
-    spanned = -(-len(ids) // config.cache.shard_size)
-    return spanned if config.cache_shards is None else min(config.cache_shards, spanned)
 
 
 def render_prompts(config: TrainConfig, prompts, tokenizer) -> tuple[list[list[int]], list[str]]:
@@ -480,7 +491,8 @@ def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: i
             record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
             done = step + 1
             if heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
-                scored = mean_metrics(lambda b: score(params, rest, jax.device_put(b, by_row), embed, head), config, heldout)
+                scored = mean_metrics(lambda b, params=params: score(params, rest, jax.device_put(b, by_row), embed, head),
+                                      config, heldout)
                 record.update(heldout_tau=scored["tau"], heldout_loss=scored["loss"])
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -502,8 +514,7 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
     if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
         run(config.init_from, progress=progress)
     target, tokenizer = load_target(config)
-    shards = build_cache(config, target, tokenizer, progress=progress)
-    sequences = load_target_cache(config.cache_path, shards)
+    sequences = load_training_set(config, build_cache(config, target, tokenizer, progress=progress))
     heldout = build_heldout_cache(config, target, tokenizer, progress=progress) if config.heldout_prompts else None
     start = time.perf_counter()
     drafter = train(config, target, sequences, heldout=heldout, stop_after=stop_after, progress=progress)
