@@ -208,6 +208,11 @@ def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, mo
     # A run on the 3-prompt list reads its 3 answers, not the one appended to its last shard.
     config = dataclasses.replace(tiny_parts[0], cache=spec, cache_dir=str(tmp_path / "partial"))
     assert [s.name for s in load_training_set(config, names[:3])] == names[:3]
+    # Were that shared shard lost, the short list must not rewrite it without the appended prompt.
+    for suffix in (".json", ".safetensors"):
+        (tmp_path / "partial" / f"shard-00001{suffix}").unlink()
+    with pytest.raises(ValueError, match="resume the build with that list first"):
+        build(tmp_path / "partial", 3)
 
 
 def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_parts):

@@ -160,7 +160,13 @@ class TargetCacheWriter:
                 "use another directory or delete it to rebuild"
             )
         listed = {"num_prompts": manifest["num_prompts"], "prompts_digest": manifest["prompts_digest"]}
-        if listed in existing.get("grown_from", []):  # an earlier, shorter list: its shards are done
+        if listed in existing.get("grown_from", []):  # an earlier, shorter list of the same cache
+            last = manifest["num_shards"] - 1
+            if manifest["num_prompts"] % self.spec.shard_size and not shard_done(self.dir, last):
+                raise ValueError(
+                    f"{self.dir}: shard {last} also holds prompts of the longer list the cache grew to "
+                    f"({existing['num_prompts']} prompts) and is missing; resume the build with that list first"
+                )
             return manifest["num_shards"]
         old = existing["num_prompts"]
         if not (old < len(prompt_ids) and _prompt_digest(prompt_ids[:old]) == existing["prompts_digest"]):
