@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
     first = configs[0]
     for config in configs[1:]:
-        if (config.num_prompts, config.data_seed, config.cache) != (first.num_prompts, first.data_seed, first.cache):
+        data = ("num_prompts", "data_seed", "cache", "cache_shards", "cache_dir")
+        if any(getattr(config, f) != getattr(first, f) for f in data):
             raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
     target, tokenizer = load_target(first)
     heldout_config = dataclasses.replace(first, heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,

@@ -121,7 +121,10 @@ def test_cache_holds_the_targets_own_features_and_normaliser(tiny_parts):
     )
 
 
-def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, tiny_parts, monkeypatch, embedded_target):
+@pytest.fixture
+def six_prompts(tiny_parts, embedded_target):
+    """``(prompts, names, spec, writer)``: six short chat prompts, three shards of two, and
+    ``writer(path, spec=spec)`` for the tiny target."""
     _, target, _ = tiny_parts
     tokenizer = embedded_target[1]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Count to {i}."}]) for i in range(6)]
@@ -129,9 +132,14 @@ def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, tiny_p
     spec = CacheSpec(tap_layers=(0,), max_new_tokens=12, max_prompt_tokens=64, temperature=0.0,
                      shard_size=2, batch_size=2, min_response_tokens=1)
 
-    def writer(path):
+    def writer(path, spec=spec):
         return TargetCacheWriter(target, spec, path, stop_ids=[tokenizer.eos_token_id])
 
+    return prompts, names, spec, writer
+
+
+def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, six_prompts, monkeypatch):
+    prompts, names, spec, writer = six_prompts
     writer(tmp_path / "whole").build(prompts, names, progress=False)
     original = TargetCacheWriter._write_shard
 
@@ -156,24 +164,17 @@ def test_cache_resumes_after_a_kill_without_loss_or_duplication(tmp_path, tiny_p
     # A different spec on the same directory is refused, naming what changed.
     other = dataclasses.replace(spec, max_new_tokens=13)
     with pytest.raises(ValueError, match="spec"):
-        TargetCacheWriter(target, other, tmp_path / "whole", stop_ids=[tokenizer.eos_token_id]).build(
-            prompts, names, progress=False)
+        writer(tmp_path / "whole", other).build(prompts, names, progress=False)
     assert target_cache.shard_done(tmp_path / "whole", 2)
 
 
-def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, monkeypatch, embedded_target):
+def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, six_prompts, monkeypatch):
     """Appending prompts keeps the finished shards (not regenerated) and adds the new ones, which
     equal a cache built from scratch; the shorter list stays readable; other prompts are refused."""
-    _, target, _ = tiny_parts
-    tokenizer = embedded_target[1]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Name {i} colours."}]) for i in range(6)]
-    names = [f"p{i}" for i in range(6)]
-    spec = CacheSpec(tap_layers=(0,), max_new_tokens=8, max_prompt_tokens=64, temperature=0.0,
-                     shard_size=2, batch_size=2, min_response_tokens=1)
+    prompts, names, spec, writer = six_prompts
 
     def build(path, n):
-        return TargetCacheWriter(target, spec, path, stop_ids=[tokenizer.eos_token_id]).build(
-            prompts[:n], names[:n], progress=False)
+        return writer(path).build(prompts[:n], names[:n], progress=False)
 
     assert build(tmp_path / "whole", 6) == 3
     assert build(tmp_path / "grown", 4) == 2
@@ -194,8 +195,7 @@ def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, mo
     assert build(tmp_path / "grown", 4) == 2
     assert [s.name for s in load_target_cache(tmp_path / "grown", 2)] == names[:4]
     with pytest.raises(ValueError, match="neither extend"):
-        TargetCacheWriter(target, spec, tmp_path / "grown", stop_ids=[tokenizer.eos_token_id]).build(
-            prompts[1:] + prompts[:2], names[1:] + names[:2], progress=False)
+        writer(tmp_path / "grown").build(prompts[1:] + prompts[:2], names[1:] + names[:2], progress=False)
     # A partial last shard is written again with the prompts that complete it.
     build(tmp_path / "partial", 3)
     written.clear()
