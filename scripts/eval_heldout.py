@@ -2,8 +2,8 @@
 """Analytic τ of trained drafters on held-out answers vs on their training sequences.
 
 A run with ``heldout_prompts`` logs held-out τ while it trains; this script scores finished
-drafters after the fact, every leg side by side. It draws fresh prompts of the same mix
-(``train.heldout_prompts`` with ``--data-seed``: minus any text in the training set, checked
+drafters after the fact, every leg side by side. It draws fresh prompts of a mix
+(``train.heldout_prompts`` with ``--data-seed`` and ``--mix``: minus any text in the training set, checked
 against the benchmark sets), has the target answer them into a small target cache (resumable,
 like the training cache), and scores every drafter of the given configs (each leg, when a config
 has ``init_from`` legs) with its training objective on:
@@ -36,6 +36,7 @@ def parse_args(argv):
                     help="training config (repeatable; default: the three SmolLM2 configs); all must share one data set")
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 48; --quick: 8)")
     ap.add_argument("--data-seed", type=int, default=1, help="prompt seed of the held-out set (training uses the config's)")
+    ap.add_argument("--mix", default="paper", help="prompt mix of the held-out set, a name in training/data.py MIXES (default paper)")
     ap.add_argument("--cache-dir", default=None,
                     help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N})")
     ap.add_argument("--quick", action="store_true", help="8 held-out prompts")
@@ -46,7 +47,8 @@ def parse_args(argv):
     if args.num_prompts < 1:
         ap.error("--num-prompts must be >= 1")
     if args.cache_dir is None:
-        args.cache_dir = f"runs/heldout_cache_seed{args.data_seed}_n{args.num_prompts}"
+        mix = "" if args.mix == "paper" else f"_{args.mix}"
+        args.cache_dir = f"runs/heldout_cache_seed{args.data_seed}_n{args.num_prompts}{mix}"
     return args
 
 
@@ -79,12 +81,12 @@ def main(argv=None) -> int:
     configs = [load_config(path) for path in (args.config or SMOLLM2_CONFIGS)]
     first = configs[0]
     for config in configs[1:]:
-        data = ("num_prompts", "data_seed", "cache", "cache_shards", "cache_dir")
+        data = ("num_prompts", "data_seed", "data_mix", "cache", "cache_shards", "cache_dir")
         if any(getattr(config, f) != getattr(first, f) for f in data):
             raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
     target, tokenizer = load_target(first)
     heldout_config = dataclasses.replace(first, heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
-                                         heldout_cache_dir=args.cache_dir)
+                                         heldout_mix=args.mix, heldout_cache_dir=args.cache_dir)
     heldout = build_heldout_cache(heldout_config, target, tokenizer)
     names = [s.name for s in heldout]
     # Training sequences every leg trained on (a later leg may add prompts; lists only grow).
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
             print(f"{name:28s} τ held-out {r['heldout']['tau']:.3f}  train {r['train']['tau']:.3f}  "
                   f"gap {r['train']['tau'] - r['heldout']['tau']:.3f}")
     out = {
-        "heldout": {"prompts": len(heldout), "data_seed": args.data_seed, "cache": str(args.cache_dir),
+        "heldout": {"prompts": len(heldout), "data_seed": args.data_seed, "mix": args.mix, "cache": str(args.cache_dir),
                     "domains": {d: sum(n.startswith(d) for n in names) for d in sorted({n.split("-")[0] for n in names})}},
         "results": results,
     }

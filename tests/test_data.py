@@ -1,6 +1,9 @@
 """The offline training-prompt mix: determinism, proportions, variety and benchmark hygiene."""
 
+import ast
+import doctest
 import json
+import random
 import re
 from collections import Counter
 from pathlib import Path
@@ -11,6 +14,7 @@ from dspark_jax.training.data import (
     BOXED,
     HUMANEVAL_PREFIX,
     MIX,
+    MIXES,
     TrainingPrompt,
     build_prompts,
     check_against_benchmarks,
@@ -27,6 +31,11 @@ SHARED_BENCHMARKS = Path("/work/shared/benchmarks")
 @pytest.fixture(scope="module")
 def prompts():
     return build_prompts(3000, seed=0)
+
+
+@pytest.fixture(scope="module")
+def formats_prompts():
+    return build_prompts(1000, seed=0, mix=MIXES["formats"])
 
 
 @pytest.fixture(scope="module")
@@ -123,13 +132,43 @@ def test_check_no_overlap_allows_boilerplate_and_short_spans(fixture_rows):
     )
 
 
-def test_built_set_does_not_overlap_the_fixture(prompts):
+def test_stubs_are_valid_python_whose_examples_hold():
+    """Every stub is a complete ``def`` whose docstring examples pass as doctests when the body is
+    the reference solution; so a prompt never shows the target a wrong example."""
+    from dspark_jax.training.data import _STUBS, _stub_prompt
+
+    solutions = {stub.name: stub.solve for stub in _STUBS}
+    texts = [_stub_prompt(random.Random(i)) for i in range(1500)]
+    assert len({re.search(r"def (\w+)\(", t).group(1) for t in texts}) == len(_STUBS)
+    assert any(" is None\n    True" in t for t in texts)  # a None result, which a doctest shows as nothing
+    assert 0.3 < sum(t.startswith(HUMANEVAL_PREFIX) for t in texts) / len(texts) < 0.6
+    runner = doctest.DocTestRunner()
+    for text in texts:
+        (code,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+        (function,) = [node for node in ast.parse(code).body if isinstance(node, ast.FunctionDef)]
+        docstring = ast.get_docstring(function, clean=True)
+        test = doctest.DocTestParser().get_doctest(docstring, dict(solutions), function.name, None, 0)
+        assert test.examples and runner.run(test, out=lambda _: None).failed == 0, text
+
+
+def test_formats_mix_has_its_shares_and_varied_tasks(formats_prompts):
+    assert Counter(p.domain for p in formats_prompts) == Counter(
+        {"stub": 300, "code": 90, "math": 250, "task": 220, "chat": 100, "instruction": 40})
+    tasks = [p.text for p in formats_prompts if p.domain == "task"]
+    assert len(tasks) == 220 and len({t[:40] for t in tasks}) > 100
+    for marker in ("Pretend to be", "Extract the", "Explain your reasoning", "real-world example", "Write a"):
+        assert any(marker in t for t in tasks), marker
+
+
+def test_built_set_does_not_overlap_the_fixture(prompts, formats_prompts):
     assert check_against_benchmarks(prompts, FIXTURE) == 50
+    assert check_against_benchmarks(formats_prompts, FIXTURE) == 50
 
 
 @pytest.mark.skipif(not SHARED_BENCHMARKS.is_dir(), reason=f"{SHARED_BENCHMARKS} not on this machine")
-def test_built_set_does_not_overlap_the_full_benchmarks(prompts):
+def test_built_set_does_not_overlap_the_full_benchmarks(prompts, formats_prompts):
     assert check_against_benchmarks(prompts, SHARED_BENCHMARKS) > 2000
+    assert check_against_benchmarks(formats_prompts, SHARED_BENCHMARKS) > 2000
 
 
 def test_load_benchmark_prompts_reads_first_turns(fixture_rows, tmp_path):

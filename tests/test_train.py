@@ -232,6 +232,16 @@ def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_pa
     assert len(held) >= 30 and not {p.text for p in held} & {p.text for p in two}
     with pytest.raises(ValueError, match="heldout_seed 5 is a data seed"):
         dataclasses.replace(config, data_seed=(0, 5), heldout_prompts=30, heldout_seed=5)
+    # A seed of another mix appends that mix's prompts and leaves the earlier ones as they were.
+    formats = training_prompts(dataclasses.replace(config, data_seed=(0, 5), data_mix=("paper", "formats")))
+    assert formats[: len(one)] == one and formats[len(one):] != two[len(one):]
+    assert {p.domain for p in formats[len(one):]} >= {"stub", "task"}
+    with pytest.raises(ValueError, match="2 mixes for 1 data seeds"):
+        dataclasses.replace(config, data_mix=("paper", "formats"))
+    with pytest.raises(ValueError, match=r"unknown mix \['recipes'\]"):
+        dataclasses.replace(config, data_mix="recipes")
+    held = heldout_prompts(dataclasses.replace(config, heldout_prompts=30, heldout_mix="formats"))
+    assert {p.domain for p in held} >= {"stub", "task"} and not {p.text for p in held} & {p.text for p in one}
 
 
 def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):

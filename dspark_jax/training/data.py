@@ -9,7 +9,14 @@ prompts are built from text every CPython 3.11 install carries plus seeded templ
 * math — seeded word problems, arithmetic, algebra, sequences, probability and geometry;
 * chat — prose paragraphs from ``pydoc_data.topics`` (the language reference) and stdlib module
   docstrings, plus open questions built from topic lists;
-* instruction — format constraints (bullets, JSON, word limits, poems, …) on chat questions.
+* instruction — format constraints (bullets, JSON, word limits, poems, …) on chat questions;
+* stub — a typed signature and a docstring with worked examples, the body left to write (the
+  shape of HumanEval-style completion tasks); the examples are computed by a reference solution;
+* task — multi-part assistant requests: writing with constraints, role-play, reasoning puzzles,
+  extraction from a given text, explanations that connect two ideas.
+
+``MIX`` is the paper's split over the first four; ``MIXES["formats"]`` adds the last two, which
+the paper mix lacks (``TrainConfig.data_mix`` picks a mix per data seed).
 
 Nothing is read from outside the standard library, so the same seed gives the same prompts on
 any machine with the same Python 3.11 patch release (docstrings change rarely even across patch
@@ -818,6 +825,219 @@ def _code_prompt(rng: random.Random) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Code stubs: a typed signature and a docstring with worked examples, body left to write
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Stub:
+    """A small function to complete. ``solve`` is the reference that computes the docstring's
+    examples, so every example shown is correct; ``draw`` gives random arguments."""
+
+    name: str
+    params: str
+    returns: str
+    doc: str
+    solve: Callable
+    draw: Callable[[random.Random], tuple]
+
+
+def _ints(rng: random.Random, lo: int = -9, hi: int = 30, n: tuple[int, int] = (3, 8)) -> list[int]:
+    return [rng.randint(lo, hi) for _ in range(rng.randint(*n))]
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(_STUB_WORDS) for _ in range(rng.randint(3, 7)))
+
+
+def _max_run(values: Sequence[int]) -> int:
+    best = run = 1 if values else 0
+    for a, b in zip(values, values[1:]):
+        run = run + 1 if b > a else 1
+        best = max(best, run)
+    return best
+
+
+def _rle(text: str) -> str:
+    out, i = [], 0
+    while i < len(text):
+        j = i
+        while j < len(text) and text[j] == text[i]:
+            j += 1
+        out.append(f"{text[i]}{j - i}")
+        i = j
+    return "".join(out)
+
+
+def _balanced(text: str) -> bool:
+    pairs, stack = {")": "(", "]": "[", "}": "{"}, []
+    for ch in text:
+        if ch in "([{":
+            stack.append(ch)
+        elif ch in pairs and (not stack or stack.pop() != pairs[ch]):
+            return False
+    return not stack
+
+
+def _collatz(n: int) -> int:
+    steps = 0
+    while n != 1:
+        n, steps = (n // 2 if n % 2 == 0 else 3 * n + 1), steps + 1
+    return steps
+
+
+def _triangle(a: int, b: int, c: int) -> str:
+    if a + b <= c or a + c <= b or b + c <= a:
+        return "invalid"
+    return {1: "equilateral", 2: "isosceles"}.get(len({a, b, c}), "scalene")
+
+
+def _shift(text: str, k: int) -> str:
+    return "".join(chr((ord(ch) - base + k) % 26 + base) if ch.isalpha() else ch
+                   for ch in text for base in [ord("a") if ch.islower() else ord("A")])
+
+
+_STUB_WORDS = ("apple", "river", "Stone", "level", "noon", "quiet", "banana", "Orbit", "tree", "radar",
+               "cloud", "ember", "kayak", "light", "Mango", "sky", "zebra", "otter", "paper", "moon")
+
+_STUBS = (
+    _Stub("running_max", "values: List[int]", "List[int]",
+          "For each position, return the largest value seen up to and including it.",
+          lambda v: [max(v[: i + 1]) for i in range(len(v))], lambda r: (_ints(r),)),
+    _Stub("adjacent_differences", "values: List[int]", "List[int]",
+          "Return the difference between every element and the element before it.",
+          lambda v: [b - a for a, b in zip(v, v[1:])], lambda r: (_ints(r),)),
+    _Stub("count_above", "values: List[int], limit: int", "int",
+          "Count the values that are strictly greater than limit.",
+          lambda v, t: sum(x > t for x in v), lambda r: (_ints(r), r.randint(0, 15))),
+    _Stub("second_largest", "values: List[int]", "Optional[int]",
+          "Return the second largest distinct value, or None if there are fewer than two\n"
+          "distinct values.",
+          lambda v: sorted(set(v))[-2] if len(set(v)) > 1 else None,
+          lambda r: (_ints(r, 0, 9, (1, 6)),)),
+    _Stub("longest_rising_run", "values: List[int]", "int",
+          "Return the length of the longest stretch of adjacent values that keeps strictly\n"
+          "increasing. An empty list has length 0.",
+          _max_run, lambda r: (_ints(r, 0, 12, (0, 9)),)),
+    _Stub("rotate_left", "values: List[int], k: int", "List[int]",
+          "Move the first k elements to the end, keeping their order. k may exceed the length.",
+          lambda v, k: v[k % len(v):] + v[: k % len(v)] if v else [],
+          lambda r: (_ints(r, 0, 9), r.randint(0, 9))),
+    _Stub("chunked", "values: List[int], size: int", "List[List[int]]",
+          "Split values into consecutive pieces of the given size; the last piece may be shorter.",
+          lambda v, s: [v[i:i + s] for i in range(0, len(v), s)], lambda r: (_ints(r, 0, 9), r.randint(1, 4))),
+    _Stub("unique_in_order", "values: List[int]", "List[int]",
+          "Drop repeated values, keeping the first time each one appears.",
+          lambda v: list(dict.fromkeys(v)), lambda r: (_ints(r, 0, 6, (3, 10)),)),
+    _Stub("alternating_sum", "values: List[int]", "int",
+          "Add the values at even positions and subtract those at odd positions.",
+          lambda v: sum(x if i % 2 == 0 else -x for i, x in enumerate(v)), lambda r: (_ints(r),)),
+    _Stub("index_of_smallest", "values: List[int]", "int",
+          "Return the position of the smallest value (the first one on ties), or -1 for an empty list.",
+          lambda v: v.index(min(v)) if v else -1, lambda r: (_ints(r, 0, 9, (0, 7)),)),
+    _Stub("has_pair_with_sum", "values: List[int], target: int", "bool",
+          "Tell whether two elements at different positions add up to target.",
+          lambda v, t: any(v[i] + v[j] == t for i in range(len(v)) for j in range(i + 1, len(v))),
+          lambda r: (_ints(r, 0, 12), r.randint(2, 20))),
+    _Stub("zeros_to_end", "values: List[int]", "List[int]",
+          "Move every zero to the end of the list and keep the other values in their order.",
+          lambda v: [x for x in v if x] + [0] * v.count(0), lambda r: (_ints(r, 0, 4),)),
+    _Stub("products_without_self", "values: List[int]", "List[int]",
+          "Return a list whose i-th entry is the product of all values except the i-th one.",
+          lambda v: [math.prod(v[:i] + v[i + 1:]) for i in range(len(v))], lambda r: (_ints(r, 1, 6, (2, 5)),)),
+    _Stub("flatten_once", "nested: List[List[int]]", "List[int]",
+          "Join the inner lists into one flat list, in order.",
+          lambda n: [x for inner in n for x in inner],
+          lambda r: ([_ints(r, 0, 9, (0, 3)) for _ in range(r.randint(1, 4))],)),
+    _Stub("count_vowels", "text: str", "int",
+          "Count the letters a, e, i, o and u in text, in upper or lower case.",
+          lambda t: sum(ch in "aeiouAEIOU" for ch in t), lambda r: (_sentence(r),)),
+    _Stub("reverse_word_order", "sentence: str", "str",
+          "Return the words of the sentence in reverse order, separated by single spaces.",
+          lambda s: " ".join(reversed(s.split())), lambda r: (_sentence(r),)),
+    _Stub("is_mirror_word", "word: str", "bool",
+          "Tell whether word reads the same backwards, ignoring upper and lower case.",
+          lambda w: w.lower() == w.lower()[::-1], lambda r: (r.choice(_STUB_WORDS),)),
+    _Stub("run_length", "text: str", "str",
+          "Encode text as each character followed by how many times it repeats in a row.",
+          _rle, lambda r: ("".join(r.choice("aab") * r.randint(1, 3) for _ in range(r.randint(1, 4))),)),
+    _Stub("title_words", "text: str", "str",
+          "Upper-case the first letter of every word and lower-case the rest.",
+          lambda t: " ".join(w[:1].upper() + w[1:].lower() for w in t.split()), lambda r: (_sentence(r),)),
+    _Stub("longest_word", "sentence: str", "str",
+          "Return the longest word of the sentence; when several are equally long, the first.",
+          lambda s: max(s.split(), key=len), lambda r: (_sentence(r),)),
+    _Stub("letter_counts", "text: str", "Dict[str, int]",
+          "Map each letter of text (lower-cased) to how often it occurs, in order of first\n"
+          "appearance. Spaces are not letters.",
+          lambda t: {ch: t.lower().count(ch) for ch in dict.fromkeys(t.lower()) if ch.isalpha()},
+          lambda r: (r.choice(_STUB_WORDS) + r.choice(("", " " + r.choice(_STUB_WORDS))),)),
+    _Stub("shared_prefix", "words: List[str]", "str",
+          "Return the longest string that every word starts with ('' when there is none).",
+          lambda ws: "" if not ws else next((ws[0][:i] for i in range(len(ws[0]), -1, -1)
+                                             if all(w.startswith(ws[0][:i]) for w in ws)), ""),
+          lambda r: ([r.choice(("inter", "pre", "sub", "")) + r.choice(_STUB_WORDS).lower()
+                      for _ in range(r.randint(2, 4))],)),
+    _Stub("brackets_match", "text: str", "bool",
+          "Tell whether every (, [ and { in text is closed by the matching bracket in the right order.",
+          _balanced, lambda r: ("".join(r.choice("()[]{}") for _ in range(r.randint(2, 8))),)),
+    _Stub("shift_letters", "text: str, k: int", "str",
+          "Shift every letter k places along the alphabet, wrapping around and keeping its case;\n"
+          "other characters stay as they are.",
+          _shift, lambda r: (_sentence(r), r.randint(1, 25))),
+    _Stub("digit_sum", "n: int", "int",
+          "Return the sum of the decimal digits of n (the sign is ignored).",
+          lambda n: sum(map(int, str(abs(n)))), lambda r: (r.randint(-9999, 99999),)),
+    _Stub("is_prime", "n: int", "bool",
+          "Tell whether n is a prime number.",
+          lambda n: n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1)), lambda r: (r.randint(-3, 120),)),
+    _Stub("gcd_of_all", "values: List[int]", "int",
+          "Return the greatest common divisor of all the values (0 for an empty list).",
+          lambda v: math.gcd(*v), lambda r: ([r.randint(1, 6) * r.choice((2, 3, 4, 6)) for _ in range(r.randint(2, 4))],)),
+    _Stub("binary_string", "n: int", "str",
+          "Write the non-negative integer n in base 2, without a prefix.",
+          lambda n: format(n, "b"), lambda r: (r.randint(0, 300),)),
+    _Stub("divisor_count", "n: int", "int",
+          "Count the positive divisors of the positive integer n.",
+          lambda n: sum(n % d == 0 for d in range(1, n + 1)), lambda r: (r.randint(1, 100),)),
+    _Stub("collatz_steps", "n: int", "int",
+          "Count the steps to reach 1 when an even n is halved and an odd n becomes 3n + 1.",
+          _collatz, lambda r: (r.randint(1, 40),)),
+    _Stub("squares_below", "n: int", "int",
+          "Return the sum of k * k over every integer k with 0 <= k < n.",
+          lambda n: sum(k * k for k in range(n)), lambda r: (r.randint(0, 15),)),
+    _Stub("round_to_multiple", "n: int, m: int", "int",
+          "Round n to the nearest multiple of m; exactly halfway rounds up.",
+          lambda n, m: (n + m // 2) // m * m,
+          lambda r: (r.randint(0, 200), r.choice((3, 4, 5, 10, 25)))),
+    _Stub("triangle_kind", "a: int, b: int, c: int", "str",
+          "Classify the triangle with these side lengths as 'equilateral', 'isosceles' or\n"
+          "'scalene', or return 'invalid' when the sides cannot form a triangle.",
+          _triangle, lambda r: tuple(r.randint(1, 6) for _ in range(3))),
+)
+_STUB_PREFIXES = (HUMANEVAL_PREFIX + "\n", HUMANEVAL_PREFIX + "\n", "Complete the following Python function:\n",
+                  "Fill in the body of this function so that the examples in its docstring hold:\n", "")
+_STUB_SUFFIXES = ("", "", "", "\nImplement the function above.")
+
+
+def _stub_prompt(rng: random.Random) -> str:
+    stub = rng.choice(_STUBS)
+    typing = sorted(name for name in ("Dict", "List", "Optional") if f"{name}[" in stub.params + stub.returns)
+    head = f"from typing import {', '.join(typing)}\n\n\n" if typing else "\n\n"
+    examples = []
+    draws = (stub.draw(rng) for _ in range(rng.randint(1, 3)))
+    for args in {repr(a): a for a in draws}.values():  # each distinct example once, in draw order
+        call = ", ".join(map(repr, args))
+        result = stub.solve(*args)
+        # A doctest shows nothing for None, so that case is written as a comparison.
+        shown = (f"{stub.name}({call}) is None", True) if result is None else (f"{stub.name}({call})", result)
+        examples.append(f"    >>> {shown[0]}\n    {shown[1]!r}")
+    doc = textwrap.indent(stub.doc, "    ").lstrip()
+    body = f"{head}def {stub.name}({stub.params}) -> {stub.returns}:\n    \"\"\" {doc}\n" + "\n".join(examples) + '\n    """\n'
+    return f"{rng.choice(_STUB_PREFIXES)}```python\n{body}\n```{rng.choice(_STUB_SUFFIXES)}"
+
+
+# --------------------------------------------------------------------------------------------
 # Chat: stdlib prose passages and open questions
 # --------------------------------------------------------------------------------------------
 
@@ -1070,6 +1290,103 @@ def _chat_prompt(rng: random.Random) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Assistant tasks: multi-part writing, role-play, reasoning puzzles, extraction, explanations
+# --------------------------------------------------------------------------------------------
+
+_FORMS = ("blog post", "magazine column", "newsletter article", "short essay", "radio script",
+          "social media thread", "letter to the editor", "speech")
+_ANGLES = ("its food and markets", "the people you met", "its history and architecture",
+           "getting around cheaply", "what surprised you most", "the best views", "local festivals")
+_TONES = ("humorous", "persuasive", "nostalgic", "formal", "enthusiastic", "thoughtful", "concise")
+_ROLES = ("a ship's captain in 1850", "a medieval court jester", "a football coach at half-time",
+          "a museum tour guide", "a detective interviewing a witness", "a patient chess grandmaster",
+          "a Martian visiting Earth for the first time", "a personal trainer", "a wise old tortoise",
+          "a customer-service agent for a bicycle shop", "a radio weather presenter", "a travel agent",
+          "a nutritionist", "a kindergarten teacher", "a career counsellor", "a film critic")
+_ROLE_QUESTIONS = ("How do you deal with a difficult day?", "What advice would you give a beginner?",
+                   "Describe your favourite memory.", "What is the most important rule in your work?",
+                   "Convince me to try something new.", "Tell me about a mistake you learned from.",
+                   "What does a perfect weekend look like for you?", "Explain your job to a child.")
+_FIELDS = ("name", "age", "city", "occupation", "year", "prize")
+_PRIZES = ("a regional science award", "a cooking contest", "a chess tournament", "a poetry prize",
+           "a marathon", "a photography competition", "a startup grant")
+
+
+def _task_writing(rng):
+    extra = rng.choice(("", f" Keep it under {rng.randint(15, 40) * 10} words.", f" Use a {rng.choice(_TONES)} tone.",
+                        " End with a question for the reader.", f" Include {rng.randint(2, 5)} concrete details."))
+    return rng.choice((
+        f"Write a {rng.choice(_TONES)} {rng.choice(_FORMS)} about a week in {rng.choice(_PLACES)}, focusing on {rng.choice(_ANGLES)}.",
+        f"Draft a {rng.choice(_FORMS)} reviewing {rng.choice(_PRODUCTS)} after a month of daily use, with one strength and one weakness.",
+        f"Write a {rng.choice(_FORMS)} arguing for or against {rng.choice(_CHOICES)}, addressing the strongest objection.",
+        f"Create a dialogue between {rng.choice(_CHARACTERS)} and {rng.choice(_CHARACTERS)} who disagree about {rng.choice(_CHOICES)}.",
+        f"Invent a memorable character who works as {_a(rng.choice(_OCCUPATIONS))} and describe them in vivid detail.",
+        f"Write the opening paragraph of a mystery set in {rng.choice(_PLACES)} in which {rng.choice(_CHARACTERS)} {rng.choice(_EVENTS)}.",
+        f"Suggest {rng.randint(3, 6)} catchy headlines for an article about {rng.choice(_CONCEPTS)}, and say which one you prefer.",
+    )) + extra
+
+
+def _task_roleplay(rng):
+    role = rng.choice(_ROLES)
+    return rng.choice((
+        f"Pretend to be {role} for the rest of this conversation. {rng.choice(_ROLE_QUESTIONS)}",
+        f"You are {role}. Stay in character and answer: {rng.choice(_ROLE_QUESTIONS)}",
+        f"Play the role of {role}. I am {rng.choice(_AUDIENCES)} who wants help with {rng.choice(_ACTIVITIES)}. What do you tell me?",
+        f"Imagine you are {role} and write a short note to {rng.choice(_RECIPIENTS)} {rng.choice(_PURPOSES)}.",
+    ))
+
+
+def _task_reasoning(rng):
+    (a, _), (b, _) = _two_people(rng)
+    c = _person(rng)[0]
+    days = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+    adjective = rng.choice(("taller", "older", "faster", "richer", "earlier to arrive"))
+    n = rng.randint(3, 9)
+    return rng.choice((
+        f"{a} is {adjective} than {b}, and {b} is {adjective} than {c}. Is {c} {adjective} than {a}? Explain your reasoning.",
+        f"If the day after tomorrow is {rng.choice(days)}, what day was it {rng.randint(2, 5)} days ago? Explain step by step.",
+        f"{a} overtakes the person in position {n} of a race. What position is {a} in now, and who is last? Think carefully.",
+        f"A box holds only red and blue pens. {a} says at least one pen is red; {b} says at most {n} pens are blue. Can both be right if there are {n + rng.randint(1, 4)} pens? Explain.",
+        f"{a}, {b} and {c} each own one of a cat, a dog and a parrot. {a} does not own the dog and {c} owns the parrot. Who owns what?",
+        f"A clock shows {rng.randint(1, 11)}:{rng.choice(('00', '15', '30', '45'))}. What is the angle between its hands? Show your reasoning.",
+        "Which is heavier: a kilogram of {} or a kilogram of {}? Explain any trick in the question.".format(*rng.sample(_INGREDIENTS, 2)),
+    ))
+
+
+def _task_extraction(rng):
+    people = rng.sample(_PEOPLE, 3)
+    lines = [f"{name}, {rng.randint(19, 70)}, a {rng.choice(_OCCUPATIONS)} from {rng.choice(_PLACES)}, won "
+             f"{rng.choice(_PRIZES)} in {rng.randint(1990, 2024)}." for name, _ in people]
+    fields = ", ".join(rng.sample(_FIELDS, rng.randint(2, 4)))
+    return rng.choice((
+        f"Extract the {fields} of each person from the text below and output a JSON list.\n\n" + " ".join(lines),
+        "Read these sentences and list every place and every number they mention:\n\n" + "\n".join(lines),
+        f"From the following passage, pick out the {rng.randint(2, 5)} most important technical terms and define each one.\n\n{rng.choice(_passages())}",
+        f"Identify the named entities (people, places, prizes) in this text and group them by type:\n\n{' '.join(lines)}",
+        f"Turn this passage into a table of key facts with the columns Fact and Detail:\n\n{rng.choice(_passages())}",
+    ))
+
+
+def _task_explain(rng):
+    a, b = rng.sample(_CONCEPTS, 2)
+    return rng.choice((
+        f"What is {a}, and how is it related to {b}? Give a real-world example of each.",
+        f"Explain {a} step by step, then list {rng.randint(2, 4)} common questions people ask about it, with answers.",
+        f"Discuss how {rng.choice(_HISTORY)} changed everyday life, and compare its impact in two different countries.",
+        f"Describe {rng.randint(3, 6)} key principles for judging whether an argument about {rng.choice(_CHOICES)} is sound.",
+        f"Outline a {rng.randint(3, 5)}-lesson plan that teaches {a} to {rng.choice(_AUDIENCES)}, with one activity per lesson.",
+        "How would you explain the difference between {} and {} to a friend? Then suggest a simple experiment or example.".format(*rng.choice(_PAIRS)),
+    ))
+
+
+_TASKS_BY_KIND = (_task_writing, _task_roleplay, _task_reasoning, _task_extraction, _task_explain)
+
+
+def _task_prompt(rng: random.Random) -> str:
+    return rng.choice(_TASKS_BY_KIND)(rng)
+
+
+# --------------------------------------------------------------------------------------------
 # Instruction following: format constraints on chat questions
 # --------------------------------------------------------------------------------------------
 
@@ -1111,6 +1428,15 @@ def _instruction_prompt(rng: random.Random) -> str:
 
 _GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "chat": _chat_prompt, "math": _math_prompt, "code": _code_prompt, "instruction": _instruction_prompt,
+    "stub": _stub_prompt, "task": _task_prompt,
+}
+# Named mixes (``TrainConfig.data_mix``). "formats" adds the two formats "paper" lacks, signature
+# + docstring stubs to complete and multi-part assistant tasks; its shares are such that 640 of
+# its prompts next to 1,864 "paper" prompts keep the paper's split of the whole set (chat 18 %,
+# math 39 %, code 39 %) within a few points.
+MIXES: dict[str, dict[str, float]] = {
+    "paper": MIX,
+    "formats": {"stub": 0.30, "code": 0.09, "math": 0.25, "task": 0.22, "chat": 0.10, "instruction": 0.04},
 }
 
 

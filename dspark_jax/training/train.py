@@ -20,7 +20,7 @@ Resume is exact: the data order and the anchors of step ``t`` are functions of `
 alone, and the checkpoint holds parameters and optimizer state, so a killed run continues with
 the same loss curve as an uninterrupted one. ``log.jsonl`` gets one line per step (every loss
 term, the analytic acceptance estimate, learning rate, gradient norm), and with
-``heldout_prompts`` the τ and loss on the target's answers to fresh prompts of the mix every
+``heldout_prompts`` the τ and loss on the target's answers to fresh prompts (``heldout_mix``) every
 ``heldout_every`` steps: the curve that says when more steps on this data stop paying.
 """
 
@@ -68,6 +68,7 @@ class TrainConfig:
     drafter: dict
     num_prompts: int = 1000  # per data seed
     data_seed: int | tuple[int, ...] = 0  # more seeds, more prompts (see training_prompts)
+    data_mix: str | tuple[str, ...] = "paper"  # a name in data.MIXES, for every seed or one per seed
     target_layers: int | None = None  # keep only the embedded target's first N layers (tiny_test)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step, across all devices
@@ -88,6 +89,7 @@ class TrainConfig:
     # Held-out answers scored every ``heldout_every`` steps (see ``heldout_prompts``); 0: none.
     heldout_prompts: int = 0
     heldout_seed: int = 1
+    heldout_mix: str = "paper"
     heldout_every: int = 50
     heldout_cache_dir: str | None = None  # default: out_dir/heldout_cache
 
@@ -101,6 +103,15 @@ class TrainConfig:
         seeds = self.data_seeds
         if not seeds or len(set(seeds)) != len(seeds):
             raise ValueError(f"TrainConfig.data_seed must be an int or distinct ints, got {self.data_seed!r}")
+        mixes = self.data_mixes
+        if len(mixes) != len(seeds):
+            raise ValueError(f"TrainConfig.data_mix names {len(mixes)} mixes for {len(seeds)} data seeds; "
+                             "give one name, or one per seed")
+        from dspark_jax.training.data import MIXES
+
+        unknown = sorted(set(mixes + (self.heldout_mix,)) - set(MIXES))
+        if unknown:
+            raise ValueError(f"TrainConfig.data_mix / heldout_mix: unknown mix {unknown}; known: {sorted(MIXES)}")
         if self.heldout_prompts < 0:
             raise ValueError(f"TrainConfig.heldout_prompts must be >= 0, got {self.heldout_prompts}")
         if self.heldout_prompts and self.heldout_seed in seeds:
@@ -123,6 +134,15 @@ class TrainConfig:
     @property
     def data_seeds(self) -> tuple[int, ...]:
         return (self.data_seed,) if isinstance(self.data_seed, int) else tuple(self.data_seed)
+
+    @property
+    def data_mixes(self) -> tuple[str, ...]:
+        return (self.data_mix,) * len(self.data_seeds) if isinstance(self.data_mix, str) else tuple(self.data_mix)
+
+    @property
+    def data_sources(self) -> tuple[tuple[int, str], ...]:
+        """(data seed, mix name) pairs, in order."""
+        return tuple(zip(self.data_seeds, self.data_mixes))
 
     @property
     def kind(self) -> str:
@@ -314,15 +334,15 @@ def load_target(config: TrainConfig):
 
 
 def training_prompts(config: TrainConfig) -> list:
-    """``num_prompts`` prompts from each data seed, seeds in order, a text an earlier seed already
-    gave dropped. Appending a seed appends prompts: the cache built for the shorter list is a
-    prefix of the new one and grows (``TargetCacheWriter``). Ids of later seeds carry the seed
-    (``math-000012@s2``) so that every id stays unique."""
-    from dspark_jax.training.data import build_prompts, normalise_text
+    """``num_prompts`` prompts from each data seed (of that seed's mix), seeds in order, a text an
+    earlier seed already gave dropped. Appending a seed appends prompts: the cache built for the
+    shorter list is a prefix of the new one and grows (``TargetCacheWriter``). Ids of later seeds
+    carry the seed (``math-000012@s2``) so that every id stays unique."""
+    from dspark_jax.training.data import MIXES, build_prompts, normalise_text
 
     seen, prompts = set(), []
-    for i, seed in enumerate(config.data_seeds):
-        for prompt in build_prompts(config.num_prompts, seed=seed):
+    for i, (seed, mix) in enumerate(config.data_sources):
+        for prompt in build_prompts(config.num_prompts, seed=seed, mix=MIXES[mix]):
             key = normalise_text(prompt.text)
             if key not in seen:
                 seen.add(key)
@@ -364,13 +384,18 @@ def load_training_set(config: TrainConfig, names: list[str]) -> list[CachedSeque
 
 
 def heldout_prompts(config: TrainConfig) -> list:
-    """Fresh prompts of the training mix (``heldout_seed``) with every training prompt's text
+    """Fresh prompts of ``heldout_mix`` (``heldout_seed``) with every training prompt's text
     removed (and checked against the benchmarks), in order; the first ``heldout_prompts`` that
     fit ``max_prompt_tokens`` are the held-out set."""
-    from dspark_jax.training.data import build_prompts, check_against_benchmarks, normalise_text
+    from dspark_jax.training.data import (
+        MIXES,
+        build_prompts,
+        check_against_benchmarks,
+        normalise_text,
+    )
 
     seen = {normalise_text(p.text) for p in training_prompts(config)}
-    fresh = [p for p in build_prompts(4 * config.heldout_prompts, seed=config.heldout_seed)
+    fresh = [p for p in build_prompts(4 * config.heldout_prompts, seed=config.heldout_seed, mix=MIXES[config.heldout_mix])
              if normalise_text(p.text) not in seen]
     if config.benchmarks_dir is not None:
         check_against_benchmarks(fresh, config.benchmarks_dir)
