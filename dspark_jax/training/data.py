@@ -831,8 +831,8 @@ def _code_prompt(rng: random.Random) -> str:
 
 @dataclass(frozen=True)
 class _Stub:
-    """A small function to complete. ``solve`` is the reference that computes the docstring's
-    examples, so every example shown is correct; ``draw`` gives random arguments."""
+    """A small function to complete. ``solve`` is the reference solution that computes the
+    docstring's examples (never written by hand); ``draw`` gives random arguments."""
 
     name: str
     params: str
