@@ -218,9 +218,11 @@ class DrafterConfig:
         return len(self.tap_layers) * self.backbone.hidden_size
 
     def check_target(self, target: TargetConfig) -> None:
-        """Refuse a target this drafter cannot serve, naming every mismatch."""
+        """Refuse a target this drafter cannot serve, naming every mismatch. Only the width and
+        the vocabulary are shared (the frozen embedding and LM head come from the target); the
+        drafter's attention keeps its own heads and cache, so its head counts may differ."""
         problems = []
-        for name in ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim"):
+        for name in ("hidden_size", "vocab_size"):
             mine, theirs = getattr(self.backbone, name), getattr(target, name)
             if mine != theirs:
                 problems.append(f"{name}: drafter {mine}, target {theirs}")

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.config import SamplingConfig
 
@@ -131,5 +132,11 @@ def sample(logits_BxV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> 
 
 
 def request_keys(seeds: Sequence[int]) -> jax.Array:
-    """One PRNG key per request from integer seeds (raw uint32 key data, vmappable)."""
-    return jnp.stack([jax.random.PRNGKey(int(s)) for s in seeds])
+    """One PRNG key per request from integer seeds (raw uint32 key data, vmappable): row i is
+    ``jax.random.PRNGKey(seeds[i])``, made in one vmapped call (a key per call took seconds of
+    dispatch for thousands of requests)."""
+    try:
+        seeds_np = np.asarray(list(seeds), dtype=np.int64)
+    except OverflowError:
+        raise ValueError(f"seeds must fit in a signed 64-bit integer, got {list(seeds)}") from None
+    return jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds_np))

@@ -19,21 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dspark_jax.checkpoints.gguf import load_embedded_target
-from dspark_jax.config import DrafterConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
-from dspark_jax.drafter.model import Drafter
 
-PROMPTS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "exactness_prompts.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the report measures what the tests check, with the tests' helpers
+from tests.prompts import random_drafter  # noqa: E402
+
+PROMPTS = ROOT / "tests" / "fixtures" / "exactness_prompts.jsonl"
 GAMMA, WIDTH = 7, 8
 
 
@@ -41,14 +43,6 @@ def load_prompts(tokenizer) -> tuple[list[list[int]], list[str]]:
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}]) for r in rows]
     return ids, [r["source"] for r in rows]
-
-
-def random_drafter(target) -> Drafter:
-    cfg = DrafterConfig.for_target(
-        target.cfg, num_layers=1, tap_layers=(1, 8, 15, 22, 28), mask_token_id=0,
-        block_size=GAMMA, draft_vocab_size=4096,
-    )
-    return Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(4096))
 
 
 def measure_delta(target, prompts) -> dict:
@@ -115,7 +109,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def measure_divergence(target, prompts, sources, new_tokens: int, ells, batches) -> dict:
-    drafter = random_drafter(target)
+    drafter = random_drafter(target.cfg, block_size=GAMMA)
     decoders = {k: SpeculativeDecoder(target, drafter, policy=FixedPolicy(k)) for k in ells}
     ar = AutoregressiveGenerator(target)
     groups = {1: [[i] for i in range(len(prompts))]}

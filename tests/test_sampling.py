@@ -134,6 +134,15 @@ def test_samples_follow_the_distribution():
     assert chi2 < 20.5, (chi2, counts, probs)
 
 
+def test_request_keys_are_the_seeds_prng_keys():
+    seeds = [0, 5, 2**31 - 1, 2**31, 2**32 + 7, -1, -(2**63), 2**63 - 1, 123456789012]
+    expected = np.stack([np.asarray(jax.random.PRNGKey(s)) for s in seeds])
+    np.testing.assert_array_equal(np.asarray(request_keys(seeds)), expected)
+    assert request_keys([]).shape == (0, 2)
+    with pytest.raises(ValueError, match="64-bit"):
+        request_keys([2**64])
+
+
 def test_per_request_keys_do_not_depend_on_batch():
     logits = jnp.asarray(np.random.default_rng(4).normal(size=(3, 100)), jnp.float32)
     config = SamplingConfig(temperature=1.0)

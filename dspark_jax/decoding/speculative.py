@@ -287,7 +287,8 @@ class SpeculativeDecoder:
 
     def reference_generator(self) -> AutoregressiveGenerator:
         """Target-only decoding that this decoder's greedy output equals token for token in
-        strict mode (steps as wide as the verify forward, the same cache length)."""
+        strict mode (steps as wide as the verify forward, the same cache length: a ``max_len``
+        passed by hand must be passed to both, since the cache length is part of the shape)."""
         return AutoregressiveGenerator(self.target, step_width=self.verify_widths[-1] if self.strict else 1)
 
     @property

@@ -13,10 +13,15 @@ prompts are built from text every CPython 3.11 install carries plus seeded templ
 * stub — a typed signature and a docstring with worked examples, the body left to write (the
   shape of HumanEval-style completion tasks); the examples are computed by a reference solution;
 * task — multi-part assistant requests: writing with constraints, role-play, reasoning puzzles,
-  extraction from a given text, explanations that connect two ideas.
+  extraction from a given text, explanations that connect two ideas (``task_v2`` is the same
+  with two wording glitches fixed; ``task`` stays as it was so that existing caches reproduce);
+* longform — posts, stories, letters, essays and reports of several paragraphs, with a length
+  or a structure asked for.
 
-``MIX`` is the paper's split over the first four; ``MIXES["formats"]`` adds the last two, which
-the paper mix lacks (``TrainConfig.data_mix`` picks a mix per data seed).
+``MIX`` is the paper's split over the first four; ``MIXES["formats"]`` adds stubs and tasks, which
+the paper mix lacks, and ``MIXES["writing"]`` long-form writing (``TrainConfig.data_mix`` picks
+a mix per data seed). A generator's output for a seed never changes once a cache was built
+from it: a fix is a new domain version.
 
 Nothing is read from outside the standard library, so the same seed gives the same prompts on
 any machine with the same Python 3.11 patch release (docstrings change rarely even across patch
@@ -1336,9 +1341,12 @@ def _task_roleplay(rng):
     ))
 
 
-def _task_reasoning(rng):
-    (a, _), (b, _) = _two_people(rng)
-    c = _person(rng)[0]
+def _task_reasoning(rng, *, distinct_people: bool):
+    if distinct_people:
+        a, b, c = (name for name, _ in rng.sample(_PEOPLE, 3))
+    else:  # version 1 (frozen): c may repeat a or b, "A is taller than B, and B is taller than A"
+        (a, _), (b, _) = _two_people(rng)
+        c = _person(rng)[0]
     days = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
     adjective = rng.choice(("taller", "older", "faster", "richer", "earlier to arrive"))
     n = rng.randint(3, 9)
@@ -1353,9 +1361,11 @@ def _task_reasoning(rng):
     ))
 
 
-def _task_extraction(rng):
+def _task_extraction(rng, *, articles: bool):
     people = rng.sample(_PEOPLE, 3)
-    lines = [f"{name}, {rng.randint(19, 70)}, a {rng.choice(_OCCUPATIONS)} from {rng.choice(_PLACES)}, won "
+    # Version 1 (frozen) always wrote "a", giving "a air traffic controller".
+    article = _a if articles else (lambda noun: f"a {noun}")
+    lines = [f"{name}, {rng.randint(19, 70)}, {article(rng.choice(_OCCUPATIONS))} from {rng.choice(_PLACES)}, won "
              f"{rng.choice(_PRIZES)} in {rng.randint(1990, 2024)}." for name, _ in people]
     fields = ", ".join(rng.sample(_FIELDS, rng.randint(2, 4)))
     return rng.choice((
@@ -1379,11 +1389,69 @@ def _task_explain(rng):
     ))
 
 
-_TASKS_BY_KIND = (_task_writing, _task_roleplay, _task_reasoning, _task_extraction, _task_explain)
+def _task_prompt(rng: random.Random, version: int = 1) -> str:
+    """Version 1 is frozen: leg 4's target cache holds its seed-4 texts, and fixing its two
+    wording glitches would change them. Version 2 (domain ``task_v2``) has the fixes."""
+    fixed = version >= 2
+    kinds = (_task_writing, _task_roleplay, functools.partial(_task_reasoning, distinct_people=fixed),
+             functools.partial(_task_extraction, articles=fixed), _task_explain)
+    return rng.choice(kinds)(rng)
 
 
-def _task_prompt(rng: random.Random) -> str:
-    return rng.choice(_TASKS_BY_KIND)(rng)
+# --------------------------------------------------------------------------------------------
+# Long-form writing: posts, stories, letters and essays of several paragraphs with a structure
+# --------------------------------------------------------------------------------------------
+
+_SCENES = ("a night market", "a harbour at dawn", "a crowded train station", "a mountain village in winter",
+           "a school playground at lunchtime", "a flower show", "a bakery before opening", "a rainy bus stop",
+           "a football stadium on match day", "an airport at midnight", "a fishing boat in a storm",
+           "a desert campsite", "a second-hand bookshop", "a hospital corridor at night", "a summer fair")
+_SENSES = ("smells", "sounds", "colours", "textures", "tastes", "movement", "light")
+_GENRES = ("science-fiction", "fairy-tale", "mystery", "adventure", "comic", "ghost", "historical")
+_OPENING_LINES = (
+    "Nobody in the village had ever seen the clock tower stop.",
+    "The parcel arrived with no stamp and no return address.",
+    "On the first warm day of spring, the river turned silver.",
+    "My grandmother kept one locked drawer in her kitchen.",
+    "The last bus of the night was empty except for a man holding a violin.",
+    "It took the robot three hundred years to learn how to laugh.",
+    "When the power went out, the whole street came outside.",
+    "The map had been drawn by someone who had never seen the sea.",
+)
+_EVENTS_TO_REPORT = ("a community clean-up day", "a charity bake sale", "a local science fair",
+                     "a neighbourhood street party", "a company hackathon", "a school sports day",
+                     "a small-town film festival", "a volunteer tree-planting weekend")
+_LETTER_GOALS = (
+    ("your manager", "asking for feedback on a project plan you wrote, with three specific questions"),
+    ("a friend who is nervous about moving to a new city", "encouraging them and offering practical advice"),
+    ("a local newspaper", "arguing that your town needs more cycle lanes"),
+    ("a customer whose order arrived damaged", "apologising and explaining what you will do"),
+    ("your future self in ten years", "describing your hopes and worries today"),
+    ("a teacher who changed your life", "thanking them with specific memories"),
+    ("a landlord", "asking for repairs to be made before winter"),
+    ("a colleague who is shy about presenting", "persuading them to give a talk at a team event"),
+)
+
+
+def _longform_prompt(rng: random.Random) -> str:
+    paragraphs = rng.randint(3, 6)
+    prose = rng.choice((f"in {paragraphs} paragraphs", f"in about {rng.randint(3, 8) * 100} words", "of about one page"))
+    article = rng.choice((prose, "with a title and short headed sections"))
+    (a_angle, b_angle), (a, b) = rng.sample(_ANGLES, 2), rng.choice(_PAIRS)
+    who, goal = rng.choice(_LETTER_GOALS)
+    return rng.choice((
+        f"Write an engaging blog post {article} about {rng.randint(2, 14)} days in {rng.choice(_PLACES)}, covering {a_angle} and {b_angle}.",
+        f"Write {_a(rng.choice(_GENRES))} story {prose} that starts with the sentence: \"{rng.choice(_OPENING_LINES)}\"",
+        f"Write {_a(rng.choice(_GENRES))} story {prose} about {rng.choice(_CHARACTERS)} who {rng.choice(_EVENTS)}.",
+        f"Write a descriptive piece {prose} about {rng.choice(_SCENES)}, using its {' and '.join(rng.sample(_SENSES, 2))} to bring it to life.",
+        f"Write a letter {prose} to {who}, {goal}.",
+        f"Write an essay {prose} weighing the benefits and the harms of {rng.choice(_CHOICES)}, with an introduction and a conclusion.",
+        f"Write a report for a community newsletter {article} about {rng.choice(_EVENTS_TO_REPORT)}: what happened, who helped and what comes next.",
+        f"Write a detailed outline for an article comparing {a} and {b}, with {paragraphs} sections and two bullet points under each.",
+        f"Write a personal reflection {prose} on what {rng.choice(_ACTIVITIES)} has taught you.",
+        f"Write a speech {prose} for {rng.choice(_OCCASIONS)}, with a story from the past and a wish for the future.",
+        f"Explain {rng.choice(_CONCEPTS)} in a feature article {article} for {rng.choice(_AUDIENCES)}, with an example in every part.",
+    ))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1428,7 +1496,8 @@ def _instruction_prompt(rng: random.Random) -> str:
 
 _GENERATORS: dict[str, Callable[[random.Random], str]] = {
     "chat": _chat_prompt, "math": _math_prompt, "code": _code_prompt, "instruction": _instruction_prompt,
-    "stub": _stub_prompt, "task": _task_prompt,
+    "stub": _stub_prompt, "task": _task_prompt, "task_v2": functools.partial(_task_prompt, version=2),
+    "longform": _longform_prompt,
 }
 # Named mixes (``TrainConfig.data_mix``). "formats" adds the two formats "paper" lacks, signature
 # + docstring stubs to complete and multi-part assistant tasks; its shares are such that 640 of
@@ -1437,6 +1506,11 @@ _GENERATORS: dict[str, Callable[[random.Random], str]] = {
 MIXES: dict[str, dict[str, float]] = {
     "paper": MIX,
     "formats": {"stub": 0.30, "code": 0.09, "math": 0.25, "task": 0.22, "chat": 0.10, "instruction": 0.04},
+    # Long-form writing (several paragraphs with a structure) is what assistants are most asked
+    # for and where the drafters carried over worst. No "code": three paper seeds hold plenty of
+    # it, and its small template space has started to repeat across seeds (and so to take texts
+    # from the held-out seed).
+    "writing": {"longform": 0.30, "stub": 0.30, "math": 0.25, "task_v2": 0.10, "instruction": 0.05},
 }
 
 

@@ -211,8 +211,9 @@ class TargetCacheWriter:
         shards = range(spanned if num_shards is None else min(num_shards, spanned))
         todo = [i for i in shards if not shard_done(self.dir, i)]
         total = min(len(prompt_ids), len(shards) * size)
-        bar = tqdm(total=total, desc="target cache", disable=not progress, unit="prompt")
-        bar.update(total - sum(len(prompt_ids[i * size : (i + 1) * size]) for i in todo))
+        done = total - sum(len(prompt_ids[i * size : (i + 1) * size]) for i in todo)
+        # `initial` shows a resumed build's progress at once (an update() this early is not drawn).
+        bar = tqdm(total=total, initial=done, desc="target cache", disable=not progress, unit="prompt")
         for shard in todo:
             lo = shard * size
             self._write_shard(shard, prompt_ids[lo : lo + size], prompt_names[lo : lo + size], lo)
