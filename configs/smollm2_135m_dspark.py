@@ -9,9 +9,8 @@ for the fourth leg all 1,864 plus 626 new prompts of seed 4 from the "formats" m
 stubs to complete and multi-part assistant tasks, the two formats the paper mix lacks): 2,490
 prompts; for the fifth, 633 more of seed 5 from the "writing" mix (long-form posts, stories,
 letters and essays, with stubs, math and tasks): 3,123 prompts. Seed 1 is kept for the held-out
-set. Sequences are at most 256 + 160 tokens, and
-``seq_len`` 352 keeps 99.98% of the response tokens while sparing the padding that 512 cost
-every step.
+set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the response
+tokens while sparing the padding that 512 cost every step.
 Drafter: 1 layer (not DeepSpec's 5: on 2 CPU cores every drafter layer adds to each round's
 time), 5 tapped layers spread like DeepSpec's, γ = 7, vanilla Markov head of rank 64, a
 4096-token reduced head (its size decides the sequential head's per-token cost on CPU),
@@ -20,8 +19,8 @@ Training: five legs. The first (500 steps) starts from random weights at peak lr
 decays to 0; each later one restarts from the previous drafter with a fresh warm-up + cosine at
 half the peak and new anchor samples: 500 more steps on the same data, then 300 steps on the
 grown data, then 300 on the data with the formats prompts, then 300 with the writing prompts,
-scoring 48 held-out answers every 50 steps. The held-out τ had stopped rising on the first data set (``docs/heldout_tau.json``), so
-the later legs buy data, not steps. The DFlash and EAGLE-3 configs reuse this data, cache and
+scoring 48 held-out answers every 50 steps. The held-out τ had stopped rising on the first data
+set (``docs/heldout_tau.json``), so the later legs buy data, not steps. The DFlash and EAGLE-3 configs reuse this data, cache and
 step budget, leg for leg.
 """
 

@@ -1506,10 +1506,10 @@ _GENERATORS: dict[str, Callable[[random.Random], str]] = {
 MIXES: dict[str, dict[str, float]] = {
     "paper": MIX,
     "formats": {"stub": 0.30, "code": 0.09, "math": 0.25, "task": 0.22, "chat": 0.10, "instruction": 0.04},
-    # Long-form writing (several paragraphs with a structure) is what assistants are most asked
-    # for and where the drafters carried over worst. No "code": three paper seeds hold plenty of
-    # it, and its small template space has started to repeat across seeds (and so to take texts
-    # from the held-out seed).
+    # "writing" adds long-form writing (several paragraphs with a structure), the kind of chat
+    # request that drafters trained on the other two mixes carried over to worst. No "code":
+    # three paper seeds hold plenty of it, and its small template space has started to repeat
+    # across seeds (and so to take texts from the held-out seed).
     "writing": {"longform": 0.30, "stub": 0.30, "math": 0.25, "task_v2": 0.10, "instruction": 0.05},
 }
 
