@@ -6,5 +6,5 @@ from pathlib import Path
 
 from dspark_jax.training.train import load_config, same_legs
 
-_DRAFTER = dict(kind="dflash", num_layers=1, mask_token_id=0, block_size=7, draft_vocab_size=4096)
+_DRAFTER = dict(kind="dflash", mask_token_id=0, block_size=7, draft_vocab_size=4096)
 CONFIG = same_legs(load_config(Path(__file__).with_name("smollm2_135m_dspark.py")), _DRAFTER, ("dspark", "dflash"))

@@ -16,12 +16,12 @@ On the embedded SmolLM2-135M-Instruct target (fp32), one request at a time (B=1)
   output equals target-only output token for token (``differing_prompts`` otherwise);
 - macro numbers are unweighted means over the three domains; ``tau_ratio`` is
   τ(dspark) / τ(dflash) (macro) and ``tau_ratio_eagle3`` τ(dspark) / τ(eagle3) when drafters of
-  both kinds ran.
+  both kinds ran, each with a 90% bootstrap interval over the prompts (``tau_ratio_interval``).
 
 Writes JSON (``--out``) and a PNG of per-position acceptance with the same stem; the last line
 printed is the summary ``{"identical": ..., "speedup": {"math": ..., "code": ..., "chat": ...},
 "tau": {"<drafter>": {...}, ...}}`` (speedup of the first drafter; ``identical`` is null when
-sampling; ``tau_ratio`` / ``tau_ratio_eagle3`` are added when they exist).
+sampling; ``tau_ratio`` / ``tau_ratio_eagle3`` and their ``_interval`` are added when they exist).
 
     .venv/bin/python scripts/bench_speculative.py                       # shipped DSpark drafter
     .venv/bin/python scripts/bench_speculative.py --compare-baselines   # DSpark, DFlash, EAGLE-3
@@ -39,6 +39,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
+INTERVAL_LEVEL = 0.9  # of the bootstrap intervals around the τ ratios
 
 
 def parse_args(argv):
@@ -135,7 +136,14 @@ def main(argv=None) -> int:
     from dspark_jax.config import SamplingConfig
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
-    from dspark_jax.eval.compare import Comparison, json_clean, macro, make_decoder, summarize
+    from dspark_jax.eval.compare import (
+        Comparison,
+        json_clean,
+        macro,
+        make_decoder,
+        summarize,
+        tau_ratio_interval,
+    )
 
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -222,6 +230,9 @@ def main(argv=None) -> int:
         return results[kinds["dspark"]]["macro"]["tau"] / results[kinds[kind]]["macro"]["tau"]
 
     tau_ratio, tau_ratio_eagle3 = tau_ratio_over("dflash"), tau_ratio_over("eagle3")
+    intervals = {f"tau_ratio{'' if kind == 'dflash' else '_' + kind}":
+                 tau_ratio_interval(runs, kinds["dspark"], kinds[kind], level=INTERVAL_LEVEL)
+                 for kind in ("dflash", "eagle3") if "dspark" in kinds and kind in kinds}
     summary = {
         "identical": all(r["identical"] for r in results.values()) if sampling.greedy else None,
         "speedup": {d: round(v["speedup"], 3) for d, v in results[first]["domains"].items()},
@@ -231,6 +242,7 @@ def main(argv=None) -> int:
     for key, ratio in (("tau_ratio", tau_ratio), ("tau_ratio_eagle3", tau_ratio_eagle3)):
         if ratio is not None:
             summary[key] = round(ratio, 3)
+            summary[f"{key}_interval"] = [round(x, 3) for x in intervals[key]]
 
     result = {
         "summary": summary,
@@ -264,6 +276,7 @@ def main(argv=None) -> int:
                     for name, r in results.items()},
         "tau_ratio": tau_ratio,
         "tau_ratio_eagle3": tau_ratio_eagle3,
+        "tau_ratio_interval": {"level": INTERVAL_LEVEL, **intervals},
         "results": results,
         "method": {
             "speedup": "sum of target-only decode seconds / sum of speculative decode seconds over the domain's "
@@ -277,6 +290,8 @@ def main(argv=None) -> int:
             "time_split": "host-timed at the loop's existing syncs: draft = until the verify lengths reach "
             "the host, verify = until the verdict does, host = the rest of decode_s",
             "macro": "unweighted mean over domains",
+            "tau_ratio_interval": "percentile bootstrap over prompts (resampled within each domain, the same "
+            "prompts for both drafters): how much the ratio depends on which prompts were drawn",
         },
     }
     out_path.write_text(json.dumps(json_clean(result), indent=1))

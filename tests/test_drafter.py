@@ -83,6 +83,33 @@ def test_gradients_reach_every_drafter_parameter_but_not_the_frozen_head(kind, r
         np.testing.assert_allclose(loss, metrics["ce"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_a_deepened_drafter_drafts_as_before_and_trains_its_new_layer(kind):
+    cfg, drafter = make(kind, reduced=True)
+    embed = head()
+    drafter.init_draft_head(embed)
+    deeper = drafter.deepened(3, seed=1)
+    assert deeper.cfg.backbone.num_layers == 3 and drafter.cfg.backbone.num_layers == 1
+    data = batch(cfg)
+    shallow_loss, shallow_metrics, _ = loss_and_grads(drafter, embed, data)
+    loss, metrics, (grads, *_) = loss_and_grads(deeper, embed, data)
+    # The appended layers add exact zeros to the residual stream: same objective, bit for bit.
+    assert float(loss) == float(shallow_loss)
+    for name in shallow_metrics:
+        np.testing.assert_array_equal(metrics[name], shallow_metrics[name], err_msg=name)
+    # The first step moves every new output projection (the rest of a new layer follows once they
+    # are non-zero), and the old layer keeps its weights.
+    for new in (1, 2):
+        for name in ("o", "mlp"):
+            g = grads["backbone"]["layers"][new][name]
+            g = g["weight"] if name == "o" else g["down"]["weight"]
+            assert np.abs(np.asarray(g[...])).max() > 0, (new, name)
+    np.testing.assert_array_equal(deeper.backbone.layers[0].q.weight[...], drafter.backbone.layers[0].q.weight[...])
+    np.testing.assert_array_equal(deeper.d2t_N, drafter.d2t_N)
+    with pytest.raises(ValueError, match="more than this one's 1 layers"):
+        drafter.deepened(1)
+
+
 def test_padding_only_batch_has_no_nan():
     cfg, drafter = make()
     loss, metrics, (g_params, *_) = loss_and_grads(drafter, head(), batch(cfg, keep=(False,) * 4))

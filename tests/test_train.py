@@ -22,6 +22,7 @@ from dspark_jax.training.train import (
     load_config,
     load_training_set,
     run,
+    same_legs,
     sample_anchors,
     train,
 )
@@ -285,6 +286,38 @@ def test_init_from_refuses_a_drafter_that_is_not_the_configs(tmp_path, tiny_run,
     missing = dataclasses.replace(config, out_dir=str(tmp_path / "missing"), init_from=str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="no exported drafter"):
         train(missing, target, sequences, progress=False)
+
+
+def test_init_from_a_shallower_drafter_appends_identity_layers(tmp_path, tiny_run, tiny_parts):
+    config, target, sequences = tiny_parts
+    same = dataclasses.replace(config, out_dir=str(tmp_path / "same"), steps=2, init_from=tiny_run / "drafter")
+    deeper = dataclasses.replace(same, out_dir=str(tmp_path / "deeper"), drafter={**config.drafter, "num_layers": 2})
+    train(same, target, sequences, progress=False)
+    grown = train(deeper, target, sequences, progress=False)
+    assert grown.cfg.backbone.num_layers == 2
+    # Step 0 scores the warm-started drafter before any update: the new layer adds nothing.
+    # Step 1 comes after an update that moved the new layer.
+    a, b = losses(tmp_path / "same"), losses(tmp_path / "deeper")
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-6)
+    assert b[1] != a[1]
+
+
+def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
+    config, _, _ = tiny_parts
+    second = dataclasses.replace(config, name="tiny_second", init_from=config,
+                                 drafter={**config.drafter, "num_layers": 2})
+    flash = same_legs(second, dict(kind="dflash", mask_token_id=0, block_size=4), ("tiny", "flash"))
+    assert flash.name == "flash_second" and flash.drafter["num_layers"] == 2
+    assert flash.init_from.drafter["num_layers"] == 1 and flash.init_from.drafter["kind"] == "dflash"
+    eagle = same_legs(second, dict(kind="eagle3", mask_token_id=0, block_size=4), ("tiny", "eagle"))
+    assert "num_layers" not in eagle.drafter and "num_layers" not in eagle.init_from.drafter
+    with pytest.raises(ValueError, match="takes num_layers from each leg"):
+        same_legs(second, dict(kind="dflash", num_layers=1, mask_token_id=0, block_size=4), ("tiny", "flash"))
+    # The shipped DFlash baseline has the shipped DSpark drafter's depth in every leg.
+    dspark, dflash = (load_config(REPO / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash"))
+    while dspark is not None:
+        assert dflash.drafter["num_layers"] == dspark.drafter.get("num_layers", 1), dspark.name
+        dspark, dflash = dspark.init_from, dflash.init_from
 
 
 def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):

@@ -10,6 +10,8 @@ distribution, which verification handles like any other zero of ``q``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,24 @@ class Drafter(ReducedHeadMixin, nnx.Module):
     @property
     def num_params(self) -> int:
         return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
+
+    def deepened(self, num_layers: int, *, seed: int = 0) -> Drafter:
+        """This drafter with new layers appended after its own, every trained weight kept.
+
+        The new layers' residual branches end in zeros (attention ``o`` and MLP ``down``), so they
+        add nothing: the deeper drafter drafts exactly as this one until training moves them
+        (function-preserving growth). Their other weights get the usual random init, which is
+        what lets the first step's gradient reach ``o`` and ``down``.
+        """
+        have = self.cfg.backbone.num_layers
+        if num_layers <= have:
+            raise ValueError(f"a deeper drafter needs more than this one's {have} layers, got {num_layers}")
+        cfg = dataclasses.replace(self.cfg, backbone=dataclasses.replace(self.cfg.backbone, num_layers=num_layers))
+        dtype = self.backbone.fc.weight[...].dtype
+        deeper = Drafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                         draft_vocab_ids=None if self.draft_head is None else np.asarray(self.d2t_N))
+        nnx.update(deeper, nnx.state(self))  # every variable this drafter has, layers 0..have-1 included
+        for layer in deeper.backbone.layers[have:]:
+            layer.o.weight[...] = jnp.zeros_like(layer.o.weight[...])
+            layer.mlp.down.weight[...] = jnp.zeros_like(layer.mlp.down.weight[...])
+        return deeper

@@ -280,6 +280,32 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
     }
 
 
+def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, *,
+                       level: float = 0.9, draws: int = 4000, seed: int = 0) -> list[float]:
+    """Percentile-bootstrap interval ``[low, high]`` of the macro τ ratio ``numerator / denominator``.
+
+    Each draw resamples every domain's prompts with replacement, the same prompts for both
+    decoders (they decoded the same prompts), and recomputes each domain's τ as the summaries do
+    (committed tokens / rounds, pooled over the prompts). Greedy τ is deterministic, so the
+    interval says how much the ratio depends on which prompts were drawn: the question a handful
+    of prompts per domain leaves open.
+    """
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = np.random.default_rng(seed)
+    macro_tau = {numerator: np.zeros(draws), denominator: np.zeros(draws)}
+    for runs in runs_by_domain.values():
+        picks = rng.integers(0, len(runs), size=(draws, len(runs)))
+        for name, total in macro_tau.items():
+            accepted = [np.concatenate(r.speculative[name].accepted_per_round or [np.zeros(0, int)]) for r in runs]
+            rounds = np.array([a.size for a in accepted])[picks].sum(axis=1)
+            committed = np.array([(a + 1).sum() for a in accepted])[picks].sum(axis=1)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                total += committed / rounds  # a draw of round-less prompts only gives NaN
+    ratio = macro_tau[numerator] / macro_tau[denominator]  # the 1/domains of both means cancels
+    return [float(q) for q in np.nanquantile(ratio, [(1 - level) / 2, (1 + level) / 2])]
+
+
 def macro(per_domain: dict[str, dict], key: str) -> float:
     """Unweighted mean over domains of a scalar entry (NaN entries skipped)."""
     values = [d[key] for d in per_domain.values() if d.get(key) is not None and not math.isnan(d[key])]

@@ -158,13 +158,22 @@ class TrainConfig:
 
 def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> TrainConfig:
     """``config`` with another drafter, and so every leg it starts from: a baseline trained leg for
-    leg on the same data and budget. ``rename = (old, new)`` rewrites names and out_dirs."""
+    leg on the same data and budget. ``rename = (old, new)`` rewrites names and out_dirs.
+
+    A block-drafter baseline (DFlash) takes each leg's depth from ``config``'s leg, so the two
+    compare at equal depth when a leg grows the drafter; EAGLE-3 keeps its one layer (spec §8.2).
+    """
+    leg_drafter = drafter
+    if drafter.get("kind") != "eagle3":
+        if "num_layers" in drafter:
+            raise ValueError("a block-drafter baseline takes num_layers from each leg; do not set it")
+        leg_drafter = {**drafter, "num_layers": config.drafter.get("num_layers", 1)}
     start = config.init_from
     if isinstance(start, TrainConfig):
         start = same_legs(start, drafter, rename)
     old, new = rename
     return dataclasses.replace(config, name=config.name.replace(old, new), out_dir=config.out_dir.replace(old, new),
-                               drafter=drafter, init_from=start)
+                               drafter=leg_drafter, init_from=start)
 
 
 def load_config(path) -> TrainConfig:
@@ -453,14 +462,21 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig):
+def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, seed: int):
     """The exported drafter at ``directory``, refused unless it is the drafter ``cfg`` describes
-    (its reduced vocabulary comes with it)."""
+    (its reduced vocabulary comes with it), or the same block drafter with fewer layers: then the
+    missing layers are appended as identity layers (``Drafter.deepened``, seeded by ``seed``)."""
     if not (directory / CONFIG_FILE).exists():
         raise FileNotFoundError(f"init_from: no exported drafter at {directory} (train that run first)")
     drafter = load_drafter(directory, target=target)
+    depth, have = cfg.backbone.num_layers, drafter.cfg.backbone.num_layers
+    shallower = dataclasses.replace(cfg, backbone=dataclasses.replace(cfg.backbone, num_layers=have))
+    if cfg.kind != "eagle3" and depth > have and drafter.cfg == shallower:
+        return drafter.deepened(depth, seed=seed)
     if drafter.cfg != cfg:
         differ = sorted(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name))
+        differ += [f"backbone.{f.name}" for f in dataclasses.fields(cfg.backbone)
+                   if getattr(cfg.backbone, f.name) != getattr(drafter.cfg.backbone, f.name)]
         raise ValueError(f"init_from: the drafter at {directory} differs from this config's in {differ}")
     return drafter
 
@@ -474,7 +490,7 @@ def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: i
     cfg = drafter_config(config, target.cfg)
     embed, head = jax.jit(target.embedding_and_head)(target.params)
     if config.init_dir is not None:
-        drafter = warm_start(config.init_dir, cfg, target.cfg)
+        drafter = warm_start(config.init_dir, cfg, target.cfg, seed=config.seed)
     else:
         drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
         if drafter.draft_head is not None:

@@ -1,0 +1,50 @@
+"""The benchmark's aggregate numbers (``dspark_jax.eval.compare``) on hand-made runs."""
+
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.speculative import SpeculativeResult
+from dspark_jax.eval.compare import Run, macro, summarize, tau_ratio_interval
+
+
+def result(accepted_per_round) -> SpeculativeResult:
+    accepted = [np.array([a]) for a in accepted_per_round]
+    return SpeculativeResult(tokens=[[1] * int(sum(a + 1 for a in accepted_per_round))], finish_reasons=["length"],
+                             prefill_s=0.0, decode_s=1.0, rounds=len(accepted), accepted_per_round=accepted,
+                             verify_lengths=[np.array([7])] * len(accepted), verify_widths=[8] * len(accepted))
+
+
+def runs(per_prompt: list[dict]) -> list[Run]:
+    """One Run per prompt from ``{decoder: accepted drafts per round}``."""
+    return [Run(prompt_tokens=10, baseline=result([0]), speculative={k: result(v) for k, v in p.items()})
+            for p in per_prompt]
+
+
+def mixed_domain(copies: int = 1) -> list[Run]:
+    """Prompts where a's lead over b varies from prompt to prompt."""
+    prompts = [{"a": [3, 1, 2], "b": [1, 1, 2]}, {"a": [0, 0, 1], "b": [0, 1, 0]},
+               {"a": [5, 4], "b": [2, 2]}, {"a": [1, 1, 1, 1], "b": [1, 0, 1, 1]}, {"a": [2], "b": [2]}]
+    return runs(prompts * copies)
+
+
+def test_the_interval_brackets_the_reported_ratio_and_narrows_with_more_prompts():
+    domains = {"math": mixed_domain(), "chat": runs([{"a": [1, 0], "b": [0, 0]}, {"a": [2, 2], "b": [1, 3]},
+                                                     {"a": [0], "b": [0]}])}
+    taus = {name: macro({d: summarize(r, name, 7, greedy=False) for d, r in domains.items()}, "tau")
+            for name in ("a", "b")}
+    low, high = tau_ratio_interval(domains, "a", "b")
+    assert low < taus["a"] / taus["b"] < high
+    # Four times the prompts (the same mix): a bootstrap interval about half as wide.
+    bigger = {d: r * 4 for d, r in domains.items()}
+    big_low, big_high = tau_ratio_interval(bigger, "a", "b")
+    assert big_high - big_low < 0.7 * (high - low)
+    assert tau_ratio_interval(domains, "a", "b") == [low, high]  # seeded
+
+
+def test_the_interval_is_a_point_when_the_ratio_does_not_depend_on_the_prompts():
+    same = {"math": runs([{"a": [1, 3], "b": [1, 3]}, {"a": [0], "b": [0]}])}
+    assert tau_ratio_interval(same, "a", "b") == [1.0, 1.0]
+    double = {"math": runs([{"a": [1, 1], "b": [0, 0]}, {"a": [1], "b": [0]}, {"a": [1, 1, 1], "b": [0, 0, 0]}])}
+    np.testing.assert_allclose(tau_ratio_interval(double, "a", "b"), [2.0, 2.0])
+    with pytest.raises(ValueError, match="level"):
+        tau_ratio_interval(same, "a", "b", level=1.0)
