@@ -22,8 +22,8 @@ grown data, then 300 on the data with the formats prompts, then 300 with the wri
 then 300 on the same data with a second layer appended as an identity layer
 (``Drafter.deepened``), scoring 48 held-out answers every 50 steps. The held-out τ had stopped
 rising on the first data set (``docs/heldout_tau.json``), so legs 3–5 buy data, not steps. The
-DFlash and EAGLE-3 configs reuse this data, cache and step budget, leg for leg; DFlash also
-this depth (EAGLE-3 keeps its one layer, as in the paper).
+DFlash and EAGLE-3 configs reuse this data, cache and step budget, leg for leg; DFlash takes
+each leg's depth too (EAGLE-3 keeps its one layer, as in the paper).
 """
 
 import dataclasses
