@@ -26,11 +26,10 @@ DFlash and EAGLE-3 configs reuse this data, cache and step budget, leg for leg; 
 each leg's depth too (EAGLE-3 keeps its one layer, as in the paper).
 """
 
-import dataclasses
 from pathlib import Path
 
 from dspark_jax.training.target_cache import CacheSpec
-from dspark_jax.training.train import TrainConfig
+from dspark_jax.training.train import TrainConfig, next_leg
 
 FIRST_LEG = TrainConfig(
     name="smollm2_135m_dspark_first",
@@ -51,19 +50,10 @@ FIRST_LEG = TrainConfig(
     learning_rate=1e-3,
     checkpoint_every=50,
 )
-SECOND_LEG = dataclasses.replace(
-    FIRST_LEG,
-    name="smollm2_135m_dspark_second",
-    out_dir="runs/smollm2_135m_dspark_second",
-    init_from=FIRST_LEG,
-    learning_rate=5e-4,
-    seed=43,
-)
-THIRD_LEG = dataclasses.replace(
+SECOND_LEG = next_leg(FIRST_LEG, "smollm2_135m_dspark_second", learning_rate=5e-4, seed=43)
+THIRD_LEG = next_leg(
     SECOND_LEG,
-    name="smollm2_135m_dspark_third",
-    out_dir="runs/smollm2_135m_dspark_third",
-    init_from=SECOND_LEG,
+    "smollm2_135m_dspark_third",
     data_seed=(0, 2, 3),
     cache_shards=24,  # 1,536 of the 1,864 prompts: what this CPU's session budget could answer
     steps=300,
@@ -71,11 +61,9 @@ THIRD_LEG = dataclasses.replace(
     heldout_prompts=48,
     heldout_cache_dir="runs/heldout_cache_seed1_n48_leg3",
 )
-FOURTH_LEG = dataclasses.replace(
+FOURTH_LEG = next_leg(
     THIRD_LEG,
-    name="smollm2_135m_dspark_fourth",
-    out_dir="runs/smollm2_135m_dspark_fourth",
-    init_from=THIRD_LEG,
+    "smollm2_135m_dspark_fourth",
     data_seed=(0, 2, 3, 4),
     data_mix=("paper", "paper", "paper", "formats"),
     cache_shards=None,
@@ -83,21 +71,12 @@ FOURTH_LEG = dataclasses.replace(
     # Seed 4 gave one of leg 3's held-out texts, so this leg's held-out set has another prompt.
     heldout_cache_dir="runs/heldout_cache_seed1_n48",
 )
-FIFTH_LEG = dataclasses.replace(
+FIFTH_LEG = next_leg(
     FOURTH_LEG,
-    name="smollm2_135m_dspark_fifth",
-    out_dir="runs/smollm2_135m_dspark_fifth",
-    init_from=FOURTH_LEG,
+    "smollm2_135m_dspark_fifth",
     data_seed=(0, 2, 3, 4, 5),
     data_mix=("paper", "paper", "paper", "formats", "writing"),
     seed=46,
 )
-CONFIG = dataclasses.replace(
-    FIFTH_LEG,
-    name="smollm2_135m_dspark",
-    out_dir="runs/smollm2_135m_dspark",
-    init_from=FIFTH_LEG,
-    # A second layer, appended as an identity layer (Drafter.deepened) to the fifth leg's drafter.
-    drafter={**FIFTH_LEG.drafter, "num_layers": 2},
-    seed=47,
-)
+# A second layer, appended as an identity layer (Drafter.deepened) to the fifth leg's drafter.
+CONFIG = next_leg(FIFTH_LEG, "smollm2_135m_dspark", drafter={**FIFTH_LEG.drafter, "num_layers": 2}, seed=47)

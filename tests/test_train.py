@@ -21,6 +21,7 @@ from dspark_jax.training.train import (
     BatchSource,
     load_config,
     load_training_set,
+    next_leg,
     run,
     same_legs,
     sample_anchors,
@@ -304,8 +305,8 @@ def test_init_from_a_shallower_drafter_appends_identity_layers(tmp_path, tiny_ru
 
 def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
     config, _, _ = tiny_parts
-    second = dataclasses.replace(config, name="tiny_second", init_from=config,
-                                 drafter={**config.drafter, "num_layers": 2})
+    second = next_leg(config, "tiny_second", drafter={**config.drafter, "num_layers": 2})
+    assert second.init_from is config and second.out_dir == "runs/tiny_second" and second.steps == config.steps
     flash = same_legs(second, dict(kind="dflash", mask_token_id=0, block_size=4), ("tiny", "flash"))
     assert flash.name == "flash_second" and flash.drafter["num_layers"] == 2
     assert flash.init_from.drafter["num_layers"] == 1 and flash.init_from.drafter["kind"] == "dflash"

@@ -156,6 +156,12 @@ class TrainConfig:
         return None if self.init_from is None else Path(self.init_from)
 
 
+def next_leg(previous: TrainConfig, name: str, **changes) -> TrainConfig:
+    """A training leg that starts from ``previous``'s exported drafter: ``previous`` with ``changes``,
+    named ``name`` and written to ``runs/<name>``."""
+    return dataclasses.replace(previous, name=name, out_dir=f"runs/{name}", init_from=previous, **changes)
+
+
 def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> TrainConfig:
     """``config`` with another drafter, and so every leg it starts from: a baseline trained leg for
     leg on the same data and budget. ``rename = (old, new)`` rewrites names and out_dirs.
