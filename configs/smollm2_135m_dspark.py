@@ -8,19 +8,20 @@ cache grows in place; 24 shards were what this CPU could answer in the session's
 for the fourth leg all 1,864 plus 626 new prompts of seed 4 from the "formats" mix (docstring
 stubs to complete and multi-part assistant tasks, the two formats the paper mix lacks): 2,490
 prompts; for the fifth, 633 more of seed 5 from the "writing" mix (long-form posts, stories,
-letters and essays, with stubs, math and tasks): 3,123 prompts. Seed 1 is kept for the held-out
-set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the response
+letters and essays, with stubs, math and tasks): 3,123 prompts. The seventh leg trains on fresh
+answers only, in a cache of its own: 214 prompts from each of seeds 6 (paper), 7 (formats) and
+8 (writing). Seed 1 is kept for the held-out set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the response
 tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), 5 tapped
 layers spread like DeepSpec's, γ = 7, vanilla Markov head of rank 64, a 4096-token reduced head
 (its size decides the sequential head's per-token cost on CPU), confidence head.
-Training: six legs. The first (500 steps) starts from random weights at peak lr 1e-3 and
+Training: seven legs. The first (500 steps) starts from random weights at peak lr 1e-3 and
 decays to 0; each later one restarts from the previous drafter with a fresh warm-up + cosine at
 half the peak and new anchor samples: 500 more steps on the same data, then 300 steps on the
 grown data, then 300 on the data with the formats prompts, then 300 with the writing prompts,
 then 300 on the same data with a second layer appended as an identity layer
-(``Drafter.deepened``), scoring 48 held-out answers every 50 steps. The held-out τ had stopped
+(``Drafter.deepened``), then 200 on the fresh answers, scoring 48 held-out answers every 50 steps. The held-out τ had stopped
 rising on the first data set (``docs/heldout_tau.json``), so legs 3–5 buy data, not steps. The
 DFlash and EAGLE-3 configs reuse this data, cache and step budget, leg for leg; DFlash takes
 each leg's depth too (EAGLE-3 keeps its one layer, as in the paper).
@@ -79,4 +80,16 @@ FIFTH_LEG = next_leg(
     seed=46,
 )
 # A second layer, appended as an identity layer (Drafter.deepened) to the fifth leg's drafter.
-CONFIG = next_leg(FIFTH_LEG, "smollm2_135m_dspark", drafter={**FIFTH_LEG.drafter, "num_layers": 2}, seed=47)
+SIXTH_LEG = next_leg(FIFTH_LEG, "smollm2_135m_dspark_sixth", drafter={**FIFTH_LEG.drafter, "num_layers": 2},
+                     seed=47)
+# Fresh answers only: 214 prompts from each of three new seeds, one per mix, in a new cache.
+CONFIG = next_leg(
+    SIXTH_LEG,
+    "smollm2_135m_dspark",
+    num_prompts=214,
+    data_seed=(6, 7, 8),
+    data_mix=("paper", "formats", "writing"),
+    cache_dir="runs/smollm2_135m_cache_leg7",
+    steps=200,
+    seed=48,
+)

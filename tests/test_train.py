@@ -244,6 +244,16 @@ def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_pa
         dataclasses.replace(config, data_mix="recipes")
     held = heldout_prompts(dataclasses.replace(config, heldout_prompts=30, heldout_mix="formats"))
     assert {p.domain for p in held} >= {"stub", "task"} and not {p.text for p in held} & {p.text for p in one}
+    # A leg on fresh seeds is scored against the legs before it: its held-out prompts avoid
+    # their training prompts too, not only its own.
+    first = dataclasses.replace(config, num_prompts=400, heldout_prompts=60)
+    fresh = next_leg(first, "fresh", data_seed=(6,))
+    assert fresh.legs == (first, fresh)
+    seen_first = {p.text for p in training_prompts(first)}
+    alone = heldout_prompts(dataclasses.replace(fresh, init_from=None))
+    assert {p.text for p in alone} & seen_first, "no overlap to avoid: the check below would prove nothing"
+    held = heldout_prompts(fresh)
+    assert not {p.text for p in held} & (seen_first | {p.text for p in training_prompts(fresh)})
 
 
 def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):

@@ -149,6 +149,12 @@ class TrainConfig:
         return self.drafter.get("kind", "dspark")
 
     @property
+    def legs(self) -> tuple[TrainConfig, ...]:
+        """Every training leg this config's drafter went through, first leg first, this one last."""
+        start = self.init_from.legs if isinstance(self.init_from, TrainConfig) else ()
+        return start + (self,)
+
+    @property
     def init_dir(self) -> Path | None:
         """The exported drafter this run starts from, if any."""
         if isinstance(self.init_from, TrainConfig):
@@ -399,9 +405,9 @@ def load_training_set(config: TrainConfig, names: list[str]) -> list[CachedSeque
 
 
 def heldout_prompts(config: TrainConfig) -> list:
-    """Fresh prompts of ``heldout_mix`` (``heldout_seed``) with every training prompt's text
-    removed (and checked against the benchmarks), in order; the first ``heldout_prompts`` that
-    fit ``max_prompt_tokens`` are the held-out set."""
+    """Fresh prompts of ``heldout_mix`` (``heldout_seed``) with the text of every prompt any leg
+    trained on removed (and checked against the benchmarks), in order; the first
+    ``heldout_prompts`` that fit ``max_prompt_tokens`` are the held-out set."""
     from dspark_jax.training.data import (
         MIXES,
         build_prompts,
@@ -409,7 +415,9 @@ def heldout_prompts(config: TrainConfig) -> list:
         normalise_text,
     )
 
-    seen = {normalise_text(p.text) for p in training_prompts(config)}
+    # Every leg's, not only this one's: a leg on fresh seeds is compared with the legs before it.
+    data_sets = {(leg.num_prompts, leg.data_sources): leg for leg in config.legs}
+    seen = {normalise_text(p.text) for leg in data_sets.values() for p in training_prompts(leg)}
     fresh = [p for p in build_prompts(4 * config.heldout_prompts, seed=config.heldout_seed, mix=MIXES[config.heldout_mix])
              if normalise_text(p.text) not in seen]
     if config.benchmarks_dir is not None:
