@@ -10,8 +10,9 @@ stubs to complete and multi-part assistant tasks, the two formats the paper mix 
 prompts; for the fifth, 633 more of seed 5 from the "writing" mix (long-form posts, stories,
 letters and essays, with stubs, math and tasks): 3,123 prompts. The seventh leg trains on fresh
 answers only, in a cache of its own: 214 prompts from each of seeds 6 (paper), 7 (formats) and
-8 (writing). Seed 1 is kept for the held-out set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the response
-tokens while sparing the padding that 512 cost every step.
+8 (writing), 635 after duplicates and over-long prompts are dropped. Seed 1 is kept for the
+held-out set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the
+response tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), 5 tapped
 layers spread like DeepSpec's, γ = 7, vanilla Markov head of rank 64, a 4096-token reduced head
@@ -21,10 +22,11 @@ decays to 0; each later one restarts from the previous drafter with a fresh warm
 half the peak and new anchor samples: 500 more steps on the same data, then 300 steps on the
 grown data, then 300 on the data with the formats prompts, then 300 with the writing prompts,
 then 300 on the same data with a second layer appended as an identity layer
-(``Drafter.deepened``), then 200 on the fresh answers, scoring 48 held-out answers every 50 steps. The held-out τ had stopped
-rising on the first data set (``docs/heldout_tau.json``), so legs 3–5 buy data, not steps. The
-DFlash and EAGLE-3 configs reuse this data, cache and step budget, leg for leg; DFlash takes
-each leg's depth too (EAGLE-3 keeps its one layer, as in the paper).
+(``Drafter.deepened``), then 200 on the fresh answers, scoring 48 held-out answers every 50
+steps. The held-out τ had stopped rising on the first data set (``docs/heldout_tau.json``), so
+legs 3–5 buy data, not steps, and leg 7 answers never seen. The DFlash and EAGLE-3 configs
+reuse this data, caches and step budget, leg for leg; DFlash takes each leg's depth too (EAGLE-3
+keeps its one layer, as in the paper).
 """
 
 from pathlib import Path
