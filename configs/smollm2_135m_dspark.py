@@ -10,21 +10,26 @@ stubs to complete and multi-part assistant tasks, the two formats the paper mix 
 prompts; for the fifth, 633 more of seed 5 from the "writing" mix (long-form posts, stories,
 letters and essays, with stubs, math and tasks): 3,123 prompts. The seventh leg trains on fresh
 answers only, in a cache of its own: 214 prompts from each of seeds 6 (paper), 7 (formats) and
-8 (writing), 635 after duplicates and over-long prompts are dropped. Seed 1 is kept for the
-held-out set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the
+8 (writing), 635 after duplicates and over-long prompts are dropped; the eighth grows that cache
+to 1,263 prompts with 214 more from each of seeds 9, 10 and 11. Seed 1 is kept for the held-out
+set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the
 response tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), 5 tapped
-layers spread like DeepSpec's, γ = 7, vanilla Markov head of rank 64, a 4096-token reduced head
-(its size decides the sequential head's per-token cost on CPU), confidence head.
-Training: seven legs. The first (500 steps) starts from random weights at peak lr 1e-3 and
+layers spread like DeepSpec's, γ = 7, a 4096-token reduced head (its size decides the sequential
+head's per-token cost on CPU), confidence head, vanilla Markov head of rank 64 until the eighth
+leg widens it to the paper's 256 (``Drafter.widened_markov``) with ``W1`` rows for the draft
+vocabulary plus one shared row (``markov_w1_rows="draft"``): rank 256 over all 49,152 target ids
+would be 25 MB on its own.
+Training: eight legs. The first (500 steps) starts from random weights at peak lr 1e-3 and
 decays to 0; each later one restarts from the previous drafter with a fresh warm-up + cosine at
 half the peak and new anchor samples: 500 more steps on the same data, then 300 steps on the
 grown data, then 300 on the data with the formats prompts, then 300 with the writing prompts,
 then 300 on the same data with a second layer appended as an identity layer
-(``Drafter.deepened``), then 200 on the fresh answers, scoring 48 held-out answers every 50
-steps. The held-out τ had stopped rising on the first data set (``docs/heldout_tau.json``), so
-legs 3–5 buy data, not steps, and leg 7 answers never seen. The DFlash and EAGLE-3 configs
+(``Drafter.deepened``), then 200 on the fresh answers, then 200 on those and as many more
+fresh answers with the wider Markov head, scoring 48 held-out answers every 50 steps. The
+held-out τ had stopped rising on the first data set (``docs/heldout_tau.json``), so legs 3–5 buy
+data, not steps, and legs 7 and 8 answers never seen. The DFlash and EAGLE-3 configs
 reuse this data, caches and step budget, leg for leg; DFlash takes each leg's depth too (EAGLE-3
 keeps its one layer, as in the paper).
 """
@@ -85,13 +90,25 @@ FIFTH_LEG = next_leg(
 SIXTH_LEG = next_leg(FIFTH_LEG, "smollm2_135m_dspark_sixth", drafter={**FIFTH_LEG.drafter, "num_layers": 2},
                      seed=47)
 # Fresh answers only: 214 prompts from each of three new seeds, one per mix, in a new cache.
-CONFIG = next_leg(
+SEVENTH_LEG = next_leg(
     SIXTH_LEG,
-    "smollm2_135m_dspark",
+    "smollm2_135m_dspark_seventh",
     num_prompts=214,
     data_seed=(6, 7, 8),
     data_mix=("paper", "formats", "writing"),
     cache_dir="runs/smollm2_135m_cache_leg7",
     steps=200,
     seed=48,
+)
+# 214 more prompts from each of three more seeds, grown into the seventh leg's cache; the Markov
+# head widened to the paper's rank 256 (Drafter.widened_markov), its W1 rows the draft vocabulary's.
+CONFIG = next_leg(
+    SEVENTH_LEG,
+    "smollm2_135m_dspark",
+    data_seed=(6, 7, 8, 9, 10, 11),
+    data_mix=("paper", "formats", "writing") * 2,
+    drafter={**SEVENTH_LEG.drafter, "markov_rank": 256, "markov_w1_rows": "draft"},
+    seed=49,
+    # Seed 9 gave one of the held-out texts, so this leg's held-out set has another prompt.
+    heldout_cache_dir="runs/heldout_cache_seed1_n48_leg8",
 )

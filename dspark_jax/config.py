@@ -139,6 +139,7 @@ class SamplingConfig:
 
 
 MARKOV_HEADS = ("none", "vanilla", "gated", "rnn")
+MARKOV_W1_ROWS = ("target", "draft")
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
 
 
@@ -160,6 +161,9 @@ class DrafterConfig:
     block_size: int = 7  # γ: draft tokens proposed per round
     markov_head: str = "vanilla"
     markov_rank: int = 256
+    # Rows of the Markov W1 table: "target" (one per target token, as DeepSpec) or "draft" (one per
+    # draft-vocabulary token plus one shared by all others), which makes a wide rank cost N·r, not V·r.
+    markov_w1_rows: str = "target"
     confidence_head: bool = True
     confidence_with_markov: bool = True
     confidence_bias: bool = True
@@ -184,6 +188,11 @@ class DrafterConfig:
             raise ValueError(f"block_size (γ) must be >= 1, got {self.block_size}")
         if self.markov_head != "none" and self.markov_rank < 1:
             raise ValueError(f"markov_rank must be >= 1 for a {self.markov_head} head")
+        if self.markov_w1_rows not in MARKOV_W1_ROWS:
+            raise ValueError(f"markov_w1_rows must be one of {MARKOV_W1_ROWS}, got {self.markov_w1_rows!r}")
+        if self.markov_w1_rows == "draft" and (self.markov_head == "none" or self.draft_vocab_size is None):
+            raise ValueError("markov_w1_rows='draft' needs a Markov head and a draft_vocab_size (its rows are "
+                             "the draft vocabulary's)")
         if self.confidence_head and self.confidence_with_markov and self.markov_head == "none":
             raise ValueError("confidence_with_markov needs a Markov head (its W1 embedding)")
         if not self.tap_layers:

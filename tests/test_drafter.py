@@ -62,11 +62,13 @@ def loss_and_grads(drafter, embed, data, chunk_size=2):
 
 
 @pytest.mark.parametrize("kind, reduced, markov", [
-    ("dspark", False, "vanilla"), ("dspark", True, "vanilla"), ("dspark", False, "rnn"),
-    ("dspark", False, "gated"), ("dflash", False, "none"),
+    ("dspark", False, "vanilla"), ("dspark", True, "vanilla"), ("dspark", True, "vanilla-draft-rows"),
+    ("dspark", False, "rnn"), ("dspark", False, "gated"), ("dflash", False, "none"),
 ])
 def test_gradients_reach_every_drafter_parameter_but_not_the_frozen_head(kind, reduced, markov):
-    kw = {} if kind == "dflash" else {"markov_head": markov}
+    kw = {} if kind == "dflash" else {"markov_head": markov.removesuffix("-draft-rows")}
+    if markov.endswith("-draft-rows"):  # the batch's odd ids are outside the draft vocabulary: the shared row
+        kw["markov_w1_rows"] = "draft"
     cfg, drafter = make(kind, reduced, **kw)
     embed = head()
     if reduced:
@@ -108,6 +110,61 @@ def test_a_deepened_drafter_drafts_as_before_and_trains_its_new_layer(kind):
     np.testing.assert_array_equal(deeper.d2t_N, drafter.d2t_N)
     with pytest.raises(ValueError, match="more than this one's 1 layers"):
         drafter.deepened(1)
+
+
+def draft_only(data):
+    """``data`` with every token a draft-vocabulary id (the even ids), so no W1 row is shared."""
+    return data._replace(input_ids_BxS=jnp.asarray(DRAFT_IDS)[data.input_ids_BxS % len(DRAFT_IDS)])
+
+
+def test_a_widened_markov_head_scores_as_before_and_trains_its_new_columns():
+    cfg, drafter = make(reduced=True)
+    embed = head()
+    drafter.init_draft_head(embed)
+    wider = drafter.widened_markov(16, seed=1)
+    assert wider.cfg.markov_rank == 16 and wider.markov.w1[...].shape == (cfg.vocab_size, 16)
+    data = batch(cfg)
+    loss, metrics, _ = loss_and_grads(drafter, embed, data)
+    wide_loss, wide_metrics, (grads, *_) = loss_and_grads(wider, embed, data)
+    # The new columns add exact zeros to the bias and the confidence logit (up to summation order).
+    np.testing.assert_allclose(wide_loss, loss, rtol=1e-6)
+    for name in metrics:
+        np.testing.assert_allclose(wide_metrics[name], metrics[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    # The first step moves the new W2 columns and confidence weights (they start at zero).
+    assert np.abs(np.asarray(grads["markov"]["w2"]["weight"][...])[:, 8:]).max() > 0
+    assert np.abs(np.asarray(grads["confidence"]["proj"]["weight"][...])[:, cfg.hidden_size + 8:]).max() > 0
+    np.testing.assert_array_equal(wider.backbone.fc.weight[...], drafter.backbone.fc.weight[...])
+    with pytest.raises(ValueError, match="rank above this one's 16"):
+        wider.widened_markov(8)
+    with pytest.raises(ValueError, match="only a vanilla Markov head"):
+        make(reduced=True, markov_head="gated")[1].widened_markov(16)
+
+
+def test_draft_w1_rows_give_each_draft_token_its_row_and_share_one_for_the_rest():
+    cfg, drafter = make(reduced=True)
+    embed = head()
+    drafter.init_draft_head(embed)
+    drafted = drafter.widened_markov(8, w1_rows="draft", seed=1)
+    n = len(DRAFT_IDS)
+    assert drafted.markov.w1[...].shape == (n + 1, 8)
+    ids = np.arange(cfg.vocab_size)
+    expected = np.where(ids % 2 == 0, ids // 2, n)  # DRAFT_IDS are the even ids 0..96
+    np.testing.assert_array_equal(drafted.markov.w1_rows(jnp.asarray(ids)), expected)
+    old_w1 = np.asarray(drafter.markov.w1[...])
+    np.testing.assert_array_equal(drafted.markov.w1[...][:n], old_w1[DRAFT_IDS])
+    np.testing.assert_allclose(drafted.markov.w1[...][n], old_w1[ids % 2 == 1].mean(0), rtol=1e-5, atol=1e-7)
+    # Where every token has a row of its own, the drafter scores exactly as before.
+    data = draft_only(batch(cfg))
+    np.testing.assert_allclose(loss_and_grads(drafted, embed, data)[0], loss_and_grads(drafter, embed, data)[0],
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="cannot be turned back"):
+        drafted.widened_markov(16, w1_rows="target")
+    with pytest.raises(ValueError, match="ascending order"):
+        Drafter(drafted.cfg, rngs=nnx.Rngs(0), draft_vocab_ids=DRAFT_IDS[::-1].copy())
+    with pytest.raises(ValueError, match="needs a Markov head and a draft_vocab_size"):
+        make(markov_w1_rows="draft")
+    with pytest.raises(ValueError, match="markov_w1_rows must be one of"):
+        make(reduced=True, markov_w1_rows="draft_only")
 
 
 def test_padding_only_batch_has_no_nan():

@@ -25,12 +25,14 @@ def configs():
     common = dict(tap_layers=(0, 2), mask_token_id=5, block_size=3)
     return {
         "dspark": DrafterConfig.for_target(TARGET, num_layers=1, markov_rank=8, draft_vocab_size=IDS.size, **common),
+        "dspark-draft-rows": DrafterConfig.for_target(TARGET, num_layers=1, markov_rank=8, draft_vocab_size=IDS.size,
+                                                      markov_w1_rows="draft", **common),
         "dflash": DrafterConfig.dflash(TARGET, num_layers=2, **common),
         "eagle3": DrafterConfig.eagle3(TARGET, draft_vocab_size=IDS.size, **common),
     }
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark-draft-rows", "dflash", "eagle3"])
 @pytest.mark.parametrize("storage", ["float32", "bfloat16"])
 def test_round_trip(tmp_path, kind, storage):
     cfg = configs()[kind]
@@ -48,6 +50,9 @@ def test_round_trip(tmp_path, kind, storage):
         if storage == "bfloat16" and value.dtype == np.float32:
             value = value.astype(ml_dtypes.bfloat16).astype(np.float32)
         np.testing.assert_array_equal(after[name], value, err_msg=name)
+    if cfg.markov_w1_rows == "draft":  # one d2t, shared by the reduced head and the Markov W1 rows
+        assert loaded.markov.d2t is loaded.draft_head.d2t and "markov.d2t" not in before
+        assert before["markov.w1"].shape == (IDS.size + 1, 8)
 
 
 def test_refusals(tmp_path):

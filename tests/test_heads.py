@@ -348,7 +348,7 @@ def test_confidence_head_formula_and_switches(with_markov, bias):
     randomize(conf, 1)
     head = markov("vanilla")
     h, prev = inputs(11)
-    z = conf(h, prev, head.w1)
+    z = conf(h, prev, head)
     assert z.shape == (2, 3, GAMMA) and z.dtype == jnp.float32
     feats = np.asarray(h, np.float64)
     if with_markov:
@@ -358,7 +358,7 @@ def test_confidence_head_formula_and_switches(with_markov, bias):
         ref = ref + float(conf.proj.bias[...][0])
     np.testing.assert_allclose(np.asarray(z), ref, rtol=1e-4, atol=1e-5)
     other = (prev + 1) % V
-    changed = np.abs(np.asarray(conf(h, other, head.w1) - z)).max()
+    changed = np.abs(np.asarray(conf(h, other, head) - z)).max()
     assert (changed > 1e-3) == with_markov
     if not with_markov:
         np.testing.assert_array_equal(conf(h, None, None), z)
@@ -376,14 +376,14 @@ def test_confidence_reads_h_k_and_x_prev_not_x_k():
     out = sample_block(head, base, h, anchor, params, keys)
     prev_of = lambda toks: jnp.concatenate([anchor[:, None], toks[:, :-1]], 1)  # noqa: E731
     np.testing.assert_array_equal(prev_of(out.tokens_BxG), out.prev_tokens_BxG)
-    z = np.asarray(conf(h, out.prev_tokens_BxG, head.w1))
+    z = np.asarray(conf(h, out.prev_tokens_BxG, head))
     s = 2
     tokens = out.tokens_BxG.at[:, s].set((out.tokens_BxG[:, s] + 1) % V)  # change x_k of slot s
-    z_tok = np.asarray(conf(h, prev_of(tokens), head.w1))
+    z_tok = np.asarray(conf(h, prev_of(tokens), head))
     np.testing.assert_array_equal(z_tok[:, : s + 1], z[:, : s + 1])  # slots <= s unchanged
     assert np.abs(z_tok[:, s + 1] - z[:, s + 1]).min() > 1e-4  # slot s+1 sees it as x_{k-1}
     assert np.all(z_tok[:, s + 2:] == z[:, s + 2:])
-    z_h = np.asarray(conf(h.at[:, s].add(1.0), out.prev_tokens_BxG, head.w1))
+    z_h = np.asarray(conf(h.at[:, s].add(1.0), out.prev_tokens_BxG, head))
     assert np.abs(z_h[:, s] - z[:, s]).min() > 1e-4
     np.testing.assert_array_equal(np.delete(z_h, s, 1), np.delete(z, s, 1))
 
@@ -406,7 +406,7 @@ def test_gradients_reach_every_parameter(kind):
 
     def loss(m):
         bias = m.markov.block_bias(h, prev)
-        z = m.conf(h, prev, m.markov.w1)
+        z = m.conf(h, prev, m.markov)
         return jnp.sum(jnp.tanh(bias) * w_bias) + jnp.sum(jax.nn.log_sigmoid(z) * w_conf)
 
     grads = nnx.grad(loss)(heads)

@@ -313,6 +313,20 @@ def test_init_from_a_shallower_drafter_appends_identity_layers(tmp_path, tiny_ru
     assert b[1] != a[1]
 
 
+def test_init_from_a_narrower_markov_head_widens_it(tmp_path, tiny_run, tiny_parts):
+    config, target, sequences = tiny_parts
+    same = dataclasses.replace(config, out_dir=str(tmp_path / "same"), steps=2, init_from=tiny_run / "drafter")
+    wider = dataclasses.replace(same, out_dir=str(tmp_path / "wider"),
+                                drafter={**config.drafter, "markov_rank": 2 * config.drafter["markov_rank"]})
+    train(same, target, sequences, progress=False)
+    grown = train(wider, target, sequences, progress=False)
+    assert grown.cfg.markov_rank == 2 * config.drafter["markov_rank"]
+    # Step 0 scores the warm-started drafter before any update: the new columns add nothing.
+    a, b = losses(tmp_path / "same"), losses(tmp_path / "wider")
+    np.testing.assert_allclose(b[0], a[0], rtol=1e-6)
+    assert b[1] != a[1]
+
+
 def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
     config, _, _ = tiny_parts
     second = next_leg(config, "tiny_second", drafter={**config.drafter, "num_layers": 2})

@@ -5,7 +5,10 @@ Shapes and vocabularies:
 * ``V`` is the target vocabulary, ``N`` the drafter's logit vocabulary (``draft_vocab_size`` or V).
   Previous tokens are always TARGET ids, so ``W1`` is ``[V, r]``; the bias lives in the draft
   logit space, so ``W2`` is ``r -> N``. With a reduced vocabulary, draft index ``i`` is target id
-  ``d2t[i]`` (``d2t``: int32 ``[N]``, absolute ids, distinct).
+  ``d2t[i]`` (``d2t``: int32 ``[N]``, absolute ids, distinct). ``markov_w1_rows="draft"`` gives
+  ``W1`` a row per draft token (in ``d2t`` order) plus a last row shared by every other target id:
+  ``[N+1, r]``. Every token the head drafts has its own row; only anchors outside the draft
+  vocabulary share one.
 * Parameter layouts follow DeepSpec/HF (``[out, in]``): ``markov_w1 [V, r]``, ``markov_w2 [N, r]``,
   ``gate_proj [r, d+r] + [r]``, ``joint_proj [3r, 2r+d] + [3r]``, ``confidence proj [1, d(+r)] (+ [1])``.
   Initialisation is HF's ``_init_weights``: weights ~ N(0, 0.02), biases 0 (spec §1.1).
@@ -62,7 +65,7 @@ class MarkovHead(nnx.Module):
       ``o`` of the same pre-activation, NOT from the new state ``s_k``; ``s_0 = 0``.
     """
 
-    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab: nnx.Variable | None = None):
         if cfg.markov_head == "none":
             raise ValueError("markov_head='none' has no Markov head; use make_markov_head(cfg, rngs)")
         self.kind = cfg.markov_head
@@ -70,14 +73,28 @@ class MarkovHead(nnx.Module):
         self.vocab_size = cfg.vocab_size
         self.draft_vocab_size = cfg.draft_vocab_size or cfg.vocab_size
         d = cfg.hidden_size
-        self.w1 = nnx.Param(_normal(rngs, (cfg.vocab_size, r), dtype))
+        # With draft rows, W1 is indexed through the reduced head's d2t (the same variable, shared).
+        self.d2t = draft_vocab if cfg.markov_w1_rows == "draft" else None
+        if cfg.markov_w1_rows == "draft" and draft_vocab is None:
+            raise ValueError("markov_w1_rows='draft' needs the reduced head's draft vocabulary")
+        rows = cfg.vocab_size if self.d2t is None else self.draft_vocab_size + 1
+        self.w1 = nnx.Param(_normal(rngs, (rows, r), dtype))
         self.w2 = Linear(r, self.draft_vocab_size, rngs=rngs, dtype=dtype, init_std=INIT_STD)
         self.gate = LinearWithBias(d + r, r, rngs=rngs, dtype=dtype) if self.kind == "gated" else None
         self.joint = LinearWithBias(2 * r + d, 3 * r, rngs=rngs, dtype=dtype) if self.kind == "rnn" else None
 
+    def w1_rows(self, prev_tokens: jax.Array) -> jax.Array:
+        """The ``W1`` row of each target id: the id itself, or with draft rows its draft index
+        (``d2t`` is ascending, so a binary search) and ``N`` for ids outside the draft vocabulary."""
+        if self.d2t is None:
+            return prev_tokens
+        d2t = self.d2t[...]
+        index = jnp.minimum(jnp.searchsorted(d2t, prev_tokens), d2t.shape[0] - 1)
+        return jnp.where(d2t[index] == prev_tokens, index, d2t.shape[0])
+
     def embed(self, prev_tokens: jax.Array) -> jax.Array:
         """``W1[x]`` for target ids of any shape: ``[...] -> [..., r]``."""
-        return jnp.take(self.w1[...], prev_tokens, axis=0)
+        return jnp.take(self.w1[...], self.w1_rows(prev_tokens), axis=0)
 
     def _features(self, state, h, prev):
         """One step before ``W2``: returns (``u [..., r]``, next state)."""
@@ -124,17 +141,19 @@ class MarkovHead(nnx.Module):
         return self.w2(jnp.moveaxis(u_Gx, 0, -2))
 
 
-def make_markov_head(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32) -> MarkovHead | None:
+def make_markov_head(cfg: DrafterConfig, rngs: nnx.Rngs, dtype=jnp.float32,
+                     draft_vocab: nnx.Variable | None = None) -> MarkovHead | None:
     """The configured Markov head, or ``None`` for ``markov_head='none'`` (DFlash)."""
-    return None if cfg.markov_head == "none" else MarkovHead(cfg, rngs=rngs, dtype=dtype)
+    return None if cfg.markov_head == "none" else MarkovHead(cfg, rngs=rngs, dtype=dtype, draft_vocab=draft_vocab)
 
 
 class ConfidenceHead(nnx.Module):
     """``z_k = w·[h_k ; W1[x_{k-1}]] + b`` (spec §3.1), returned as float32 logits.
 
-    ``cfg.confidence_with_markov=False`` drops the ``W1`` feature (then ``prev_tokens`` and ``w1``
-    are ignored); ``cfg.confidence_bias=False`` drops ``b``. ``W1`` is the Markov head's table,
-    passed in at call time (shared, never copied). The head never sees ``x_k``.
+    ``cfg.confidence_with_markov=False`` drops the ``W1`` feature (then ``prev_tokens`` and
+    ``markov_head`` are ignored); ``cfg.confidence_bias=False`` drops ``b``. ``W1`` is the Markov
+    head's table, looked up through the head passed in at call time (shared, never copied). The
+    head never sees ``x_k``.
     """
 
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
@@ -142,12 +161,13 @@ class ConfidenceHead(nnx.Module):
         width = cfg.hidden_size + (cfg.markov_rank if self.with_markov else 0)
         self.proj = LinearWithBias(width, 1, bias=cfg.confidence_bias, rngs=rngs, dtype=dtype)
 
-    def __call__(self, h_xd: jax.Array, prev_tokens_x: jax.Array | None = None, w1_VxR=None) -> jax.Array:
+    def __call__(self, h_xd: jax.Array, prev_tokens_x: jax.Array | None = None,
+                 markov_head: MarkovHead | None = None) -> jax.Array:
         features = h_xd.astype(jnp.float32)
         if self.with_markov:
-            if w1_VxR is None or prev_tokens_x is None:
-                raise ValueError("a confidence head with the Markov feature needs prev_tokens and w1")
-            e = jnp.take(w1_VxR[...], prev_tokens_x, axis=0).astype(jnp.float32)
+            if markov_head is None or prev_tokens_x is None:
+                raise ValueError("a confidence head with the Markov feature needs prev_tokens and the Markov head")
+            e = markov_head.embed(prev_tokens_x).astype(jnp.float32)
             features = jnp.concatenate([features, e], axis=-1)
         weight = self.proj.weight[...].astype(jnp.float32)
         z = jnp.einsum("...k,nk->...n", features, weight)[..., 0]

@@ -107,18 +107,17 @@ class Drafter(ReducedHeadMixin, nnx.Module):
             raise ValueError("an eagle3 config builds an Eagle3Drafter (dspark_jax.drafter.eagle3)")
         self.cfg = cfg
         self.backbone = Backbone(cfg, rngs=rngs, dtype=dtype)
-        self.markov = make_markov_head(cfg, rngs, dtype)
-        self.confidence = make_confidence_head(cfg, rngs, dtype)
         self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)
+        if cfg.markov_w1_rows == "draft" and np.any(np.diff(np.asarray(draft_vocab_ids)) <= 0):
+            raise ValueError("markov_w1_rows='draft' needs draft_vocab_ids in ascending order (W1 rows follow them)")
+        self.markov = make_markov_head(cfg, rngs, dtype, None if self.draft_head is None else self.draft_head.d2t)
+        self.confidence = make_confidence_head(cfg, rngs, dtype)
 
     def base_logits(self, h_xd: jax.Array, lm_head_VxD: jax.Array) -> jax.Array:
         """``U = head(h)`` over the draft vocabulary (the full target vocab without a reduced head)."""
         if self.draft_head is not None:
             return self.draft_head(h_xd)
         return project(h_xd, jax.lax.stop_gradient(lm_head_VxD)).astype(jnp.float32)
-
-    def _w1(self):
-        return self.markov.w1[...] if self.markov is not None and self.cfg.confidence_with_markov else None
 
     def teacher_forced(self, h_xGxd, lm_head_VxD, prev_tokens_xG):
         """Training outputs for blocks with known previous tokens ``[anchor, x*_1..x*_{γ−1}]``:
@@ -128,7 +127,7 @@ class Drafter(ReducedHeadMixin, nnx.Module):
             logits = logits + self.markov.block_bias(h_xGxd, prev_tokens_xG).astype(jnp.float32)
         confidence = None
         if self.confidence is not None:
-            confidence = self.confidence(h_xGxd, prev_tokens_xG, self._w1())
+            confidence = self.confidence(h_xGxd, prev_tokens_xG, self.markov)
         return logits, confidence
 
     # The SpeculativeDrafter interface (dspark_jax.drafter.interface).
@@ -157,7 +156,7 @@ class Drafter(ReducedHeadMixin, nnx.Module):
         )
         confidence = None
         if self.confidence is not None:
-            confidence = self.confidence(h, block.prev_tokens_BxG, self._w1())
+            confidence = self.confidence(h, block.prev_tokens_BxG, self.markov)
         return block, confidence
 
     @property
@@ -184,3 +183,46 @@ class Drafter(ReducedHeadMixin, nnx.Module):
             layer.o.weight[...] = jnp.zeros_like(layer.o.weight[...])
             layer.mlp.down.weight[...] = jnp.zeros_like(layer.mlp.down.weight[...])
         return deeper
+
+    def widened_markov(self, rank: int, *, w1_rows: str | None = None, seed: int = 0) -> Drafter:
+        """This drafter with a wider vanilla Markov head (and ``W1`` rows ``w1_rows``), all else kept.
+
+        The old ``W1`` columns are kept and the new ones start random; the new ``W2`` columns and
+        the confidence weights on the new ``W1`` columns start at zero, so the drafter drafts and
+        scores exactly as before (function-preserving), except after an anchor outside the draft
+        vocabulary when ``w1_rows`` turns target rows into draft rows: those ids then share one
+        row, the mean of the rows they had.
+        """
+        old = self.markov
+        if old is None or old.kind != "vanilla":
+            raise ValueError("only a vanilla Markov head can be widened (gated and RNN heads mix W1 with h)")
+        w1_rows = self.cfg.markov_w1_rows if w1_rows is None else w1_rows
+        if rank < old.rank or (rank == old.rank and w1_rows == self.cfg.markov_w1_rows):
+            raise ValueError(f"a wider Markov head needs a rank above this one's {old.rank} (or new W1 rows), got {rank}")
+        if w1_rows == "target" and self.cfg.markov_w1_rows == "draft":
+            raise ValueError("draft W1 rows cannot be turned back into target rows (the shared row has no per-token values)")
+        cfg = dataclasses.replace(self.cfg, markov_rank=rank, markov_w1_rows=w1_rows)
+        dtype = self.backbone.fc.weight[...].dtype
+        wider = Drafter(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                        draft_vocab_ids=None if self.draft_head is None else np.asarray(self.d2t_N))
+        kept = nnx.state(self)
+        del kept["markov"]
+        if self.confidence is not None:
+            del kept["confidence"]
+        nnx.update(wider, kept)
+        w1 = old.w1[...]
+        if w1_rows != self.cfg.markov_w1_rows:  # target rows -> draft rows
+            d2t = self.d2t_N
+            others = jnp.ones((w1.shape[0],), bool).at[d2t].set(False)
+            shared = jnp.sum(jnp.where(others[:, None], w1, 0), axis=0) / jnp.sum(others)
+            w1 = jnp.concatenate([w1[d2t], shared[None].astype(w1.dtype)])
+        r = old.rank
+        wider.markov.w1[...] = wider.markov.w1[...].at[:, :r].set(w1)
+        wider.markov.w2.weight[...] = jnp.zeros_like(wider.markov.w2.weight[...]).at[:, :r].set(old.w2.weight[...])
+        if self.confidence is not None:
+            old_w, width = self.confidence.proj.weight[...], self.confidence.proj.weight.shape[1]
+            wider.confidence.proj.weight[...] = (
+                jnp.zeros_like(wider.confidence.proj.weight[...]).at[:, :width].set(old_w))
+            if self.confidence.proj.bias is not None:
+                wider.confidence.proj.bias[...] = self.confidence.proj.bias[...]
+        return wider
