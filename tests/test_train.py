@@ -340,9 +340,9 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
         same_legs(second, dict(kind="dflash", num_layers=1, mask_token_id=0, block_size=4), ("tiny", "flash"))
     # The shipped DFlash baseline has the shipped DSpark drafter's depth in every leg.
     dspark, dflash = (load_config(REPO / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash"))
-    while dspark is not None:
-        assert dflash.drafter["num_layers"] == dspark.drafter.get("num_layers", 1), dspark.name
-        dspark, dflash = dspark.init_from, dflash.init_from
+    assert len(dspark.legs) == len(dflash.legs) == 8
+    for spark_leg, flash_leg in zip(dspark.legs, dflash.legs):
+        assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
 
 
 def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):
