@@ -220,7 +220,7 @@ def cmd_bench(args) -> int:
     summary = summarize(runs, name, drafter.cfg.block_size, greedy=sampling.greedy)
     split = summary["time_split"]
     rate = summary["tokens_per_s"]
-    print(f"speedup x{summary['speedup']:.2f} (decode time; x{summary['speedup_with_prefill']:.2f} with prefill): "
+    print(f"speedup x{summary['speedup']:.2f} (decode throughput; x{summary['speedup_with_prefill']:.2f} with prefill): "
           f"{rate['target_only']:.1f} -> {rate['speculative']:.1f} tokens/s")
     print(f"τ {summary['tau']:.2f}; acceptance rate {summary['acceptance_rate']:.2f}; "
           f"per-position acceptance {_fmt_values(summary['per_position_acceptance'])}")
@@ -228,9 +228,9 @@ def cmd_bench(args) -> int:
     print(f"verify widths {{{widths}}}; decode time split: draft {split['draft_s']:.2f} s "
           f"({100 * split['draft_share']:.0f}%), verify {split['verify_s']:.2f} s "
           f"({100 * split['verify_share']:.0f}%), host {split['host_s']:.2f} s")
-    differing = [d["prompt"] for d in summary["differing_prompts"]]
+    differing = [d["prompt"] for d in summary["differing_prompts"] or ()]
     print(f"greedy outputs identical: {_yes_no(summary['identical'])}"
-          + (f" (prompts {differing} differ)" if differing and sampling.greedy else ""))
+          + (f" (prompts {differing} differ)" if differing else ""))
     if comparison.compiles_while_timing:
         print(f"warning: {comparison.compiles_while_timing} compilations happened while timing")
     return 0

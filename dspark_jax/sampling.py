@@ -110,12 +110,22 @@ def _cutoff(sorted_desc, k_B, top_p_B, vocab_lse_B, vocab: int):
     return cutoff_B, settled_B
 
 
+def any_sampled(params: SamplingParams) -> jax.Array:
+    """True when some row samples. An all-greedy batch skips the softmax and the random draw:
+    on CPU a Gumbel draw over V=49k costs 2.5 ms against 0.2 ms for the argmax it ends in."""
+    return jnp.any(params.temperature_B > 0.0)
+
+
 def probabilities(logits_BxV: jax.Array, params: SamplingParams) -> jax.Array:
     """The distribution each row is sampled from: one-hot argmax for greedy rows."""
-    filtered = filtered_logits(logits_BxV, params)
     greedy_B = params.temperature_B <= 0.0
     one_hot = jax.nn.one_hot(jnp.argmax(logits_BxV, axis=-1), logits_BxV.shape[-1], dtype=jnp.float32)
-    return jnp.where(greedy_B[:, None], one_hot, jax.nn.softmax(filtered, axis=-1))
+
+    def mixed():
+        softmax = jax.nn.softmax(filtered_logits(logits_BxV, params), axis=-1)
+        return jnp.where(greedy_B[:, None], one_hot, softmax)
+
+    return jax.lax.cond(any_sampled(params), mixed, lambda: one_hot)
 
 
 def step_keys(keys_B: jax.Array, step_B: jax.Array) -> jax.Array:
@@ -125,10 +135,13 @@ def step_keys(keys_B: jax.Array, step_B: jax.Array) -> jax.Array:
 
 def sample(logits_BxV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> jax.Array:
     """One token per row: argmax for greedy rows, a draw from ``probabilities`` otherwise."""
-    filtered = filtered_logits(logits_BxV, params)
-    drawn = jax.vmap(jax.random.categorical)(keys_B, filtered)
-    greedy = jnp.argmax(logits_BxV, axis=-1)
-    return jnp.where(params.temperature_B <= 0.0, greedy, drawn).astype(jnp.int32)
+    greedy = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+
+    def mixed():
+        drawn = jax.vmap(jax.random.categorical)(keys_B, filtered_logits(logits_BxV, params))
+        return jnp.where(params.temperature_B <= 0.0, greedy, drawn.astype(jnp.int32))
+
+    return jax.lax.cond(any_sampled(params), mixed, lambda: greedy)
 
 
 def request_keys(seeds: Sequence[int]) -> jax.Array:

@@ -9,19 +9,22 @@ On the embedded SmolLM2-135M-Instruct target (fp32), one request at a time (B=1)
 - every decoder is compiled for every prompt-length bucket and warmed up before timing; each
   prompt then runs target-only and right after it through every drafter (``--repeats`` times,
   the fastest decode counts), so all decoders see the same prompts and the same load;
-- per drafter and domain: speedup = Σ target-only decode time / Σ speculative decode time
-  (compilation and prefill excluded; ``speedup_with_prefill`` next to it), τ (tokens committed
+- per drafter and domain: speedup = speculative / target-only decode tokens per second, pooled
+  over the prompts (for greedy outputs, which are identical, the ratio of decode times;
+  compilation and prefill excluded; ``speedup_with_prefill`` next to it), τ (tokens committed
   per round), per-position conditional acceptance, acceptance rate, verify-width histogram,
   draft / verify / host time split, tokens/s, and for greedy decoding whether every prompt's
   output equals target-only output token for token (``differing_prompts`` otherwise);
 - macro numbers are unweighted means over the three domains; ``tau_ratio`` is
   τ(dspark) / τ(dflash) (macro) and ``tau_ratio_eagle3`` τ(dspark) / τ(eagle3) when drafters of
-  both kinds ran, each with a 90% bootstrap interval over the prompts (``tau_ratio_interval``).
+  both kinds ran; ``accepted_ratio`` / ``accepted_ratio_eagle3`` are the same ratios of accepted
+  drafts per round (τ − 1), which the bonus token does not dilute; each with a 90% bootstrap
+  interval over the prompts (``tau_ratio_interval``).
 
 Writes JSON (``--out``) and a PNG of per-position acceptance with the same stem; the last line
 printed is the summary ``{"identical": ..., "speedup": {"math": ..., "code": ..., "chat": ...},
 "tau": {"<drafter>": {...}, ...}}`` (speedup of the first drafter; ``identical`` is null when
-sampling; ``tau_ratio`` / ``tau_ratio_eagle3`` and their ``_interval`` are added when they exist).
+sampling; the ratios and their ``_interval`` are added when they exist).
 
     .venv/bin/python scripts/bench_speculative.py                       # shipped DSpark drafter
     .venv/bin/python scripts/bench_speculative.py --compare-baselines   # DSpark, DFlash, EAGLE-3
@@ -223,26 +226,28 @@ def main(argv=None) -> int:
     for name, info in drafters.items():
         kinds.setdefault(info["kind"], name)
 
-    def tau_ratio_over(kind):
-        """τ(DSpark) / τ(kind), macro over the domains, when drafters of both kinds ran."""
+    # τ(DSpark) over each baseline's τ, and the same for accepted drafts per round (τ − 1), which
+    # the bonus token does not dilute; each with a bootstrap interval over the prompts.
+    ratios, intervals = {}, {}
+    for kind in ("dflash", "eagle3"):
         if "dspark" not in kinds or kind not in kinds:
-            return None
-        return results[kinds["dspark"]]["macro"]["tau"] / results[kinds[kind]]["macro"]["tau"]
-
-    tau_ratio, tau_ratio_eagle3 = tau_ratio_over("dflash"), tau_ratio_over("eagle3")
-    intervals = {f"tau_ratio{'' if kind == 'dflash' else '_' + kind}":
-                 tau_ratio_interval(runs, kinds["dspark"], kinds[kind], level=INTERVAL_LEVEL)
-                 for kind in ("dflash", "eagle3") if "dspark" in kinds and kind in kinds}
+            continue
+        suffix = "" if kind == "dflash" else f"_{kind}"
+        mine, theirs = (results[kinds[k]]["macro"]["tau"] for k in ("dspark", kind))
+        for key, drafts_only in (("tau_ratio", False), ("accepted_ratio", True)):
+            offset = 1.0 if drafts_only else 0.0
+            ratios[key + suffix] = (mine - offset) / (theirs - offset) if theirs > offset else float("nan")
+            intervals[key + suffix] = tau_ratio_interval(runs, kinds["dspark"], kinds[kind], level=INTERVAL_LEVEL,
+                                                         drafts_only=drafts_only)
     summary = {
         "identical": all(r["identical"] for r in results.values()) if sampling.greedy else None,
         "speedup": {d: round(v["speedup"], 3) for d, v in results[first]["domains"].items()},
         "tau": {name: {d: round(v["tau"], 3) if v["tau"] == v["tau"] else None for d, v in r["domains"].items()}
                 for name, r in results.items()},
     }
-    for key, ratio in (("tau_ratio", tau_ratio), ("tau_ratio_eagle3", tau_ratio_eagle3)):
-        if ratio is not None:
-            summary[key] = round(ratio, 3)
-            summary[f"{key}_interval"] = [round(x, 3) for x in intervals[key]]
+    for key, ratio in ratios.items():
+        summary[key] = round(ratio, 3)
+        summary[f"{key}_interval"] = [round(x, 3) for x in intervals[key]]
 
     result = {
         "summary": summary,
@@ -274,13 +279,13 @@ def main(argv=None) -> int:
         "compiles_while_timing": comparison.compiles_while_timing,
         "speedup": {name: {d: v["speedup"] for d, v in r["domains"].items()} | {"macro": r["macro"]["speedup"]}
                     for name, r in results.items()},
-        "tau_ratio": tau_ratio,
-        "tau_ratio_eagle3": tau_ratio_eagle3,
+        **{key: ratios.get(key) for key in ("tau_ratio", "tau_ratio_eagle3", "accepted_ratio", "accepted_ratio_eagle3")},
         "tau_ratio_interval": {"level": INTERVAL_LEVEL, **intervals},
         "results": results,
         "method": {
-            "speedup": "sum of target-only decode seconds / sum of speculative decode seconds over the domain's "
-            "prompts (same prompts, same process, B=1; compile + warm-up before timing; prefill excluded, "
+            "speedup": "speculative / target-only decode throughput (tokens / seconds, each summed over the "
+            "domain's prompts; for identical greedy outputs the ratio of decode seconds; sampled outputs differ "
+            "in length) (same prompts, same process, B=1; compile + warm-up before timing; prefill excluded, "
             "speedup_with_prefill includes it); each prompt runs target-only then every drafter, "
             "best of `repeats`",
             "tau": "mean over request-rounds of accepted drafts + 1",
@@ -290,8 +295,10 @@ def main(argv=None) -> int:
             "time_split": "host-timed at the loop's existing syncs: draft = until the verify lengths reach "
             "the host, verify = until the verdict does, host = the rest of decode_s",
             "macro": "unweighted mean over domains",
+            "accepted_ratio": "the tau ratio of accepted drafts per round (tau - 1): the drafters alone, "
+            "without the bonus token every round commits",
             "tau_ratio_interval": "percentile bootstrap over prompts (resampled within each domain, the same "
-            "prompts for both drafters): how much the ratio depends on which prompts were drawn",
+            "prompts for both drafters) of every ratio: how much it depends on which prompts were drawn",
         },
     }
     out_path.write_text(json.dumps(json_clean(result), indent=1))
@@ -311,7 +318,7 @@ def main(argv=None) -> int:
                   f"tok/s {rate['target_only']:.1f} -> {rate['speculative']:.1f}  "
                   f"draft/verify/host {split['draft_s']:.2f}/{split['verify_s']:.2f}/{split['host_s']:.2f} s  "
                   f"identical {d['identical']}", file=sys.stderr)
-            for diff in d["differing_prompts"]:
+            for diff in d["differing_prompts"] or ():
                 print(f"        differs: {diff}", file=sys.stderr)
     if comparison.compiles_while_timing:
         print(f"warning: {comparison.compiles_while_timing} compilations while timing", file=sys.stderr)

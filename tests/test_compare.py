@@ -46,5 +46,28 @@ def test_the_interval_is_a_point_when_the_ratio_does_not_depend_on_the_prompts()
     assert tau_ratio_interval(same, "a", "b") == [1.0, 1.0]
     double = {"math": runs([{"a": [1, 1], "b": [0, 0]}, {"a": [1], "b": [0]}, {"a": [1, 1, 1], "b": [0, 0, 0]}])}
     np.testing.assert_allclose(tau_ratio_interval(double, "a", "b"), [2.0, 2.0])
+    # Accepted drafts alone: 1 vs 0.5 per round is 2x, where τ (2 vs 1.5) is only 1.33x.
+    halves = {"math": runs([{"a": [1, 1], "b": [1, 0]}, {"a": [1, 1, 1, 1], "b": [0, 1, 0, 1]}])}
+    np.testing.assert_allclose(tau_ratio_interval(halves, "a", "b"), [4 / 3, 4 / 3])
+    np.testing.assert_allclose(tau_ratio_interval(halves, "a", "b", drafts_only=True), [2.0, 2.0])
     with pytest.raises(ValueError, match="level"):
         tau_ratio_interval(same, "a", "b", level=1.0)
+
+
+def test_only_greedy_runs_report_differing_prompts():
+    """A greedy output that differs from target-only's is a bug to report; a sampled one is not."""
+    domain = runs([{"a": [1, 0]}, {"a": [0]}])  # the baseline made 1 token, "a" made 3 and 1
+    greedy = summarize(domain, "a", 7, greedy=True, labels=["p0", "p1"])
+    assert greedy["identical"] is False
+    assert [d["prompt"] for d in greedy["differing_prompts"]] == ["p0"]
+    sampled = summarize(domain, "a", 7, greedy=False)
+    assert sampled["identical"] is None and sampled["differing_prompts"] is None
+
+
+def test_speedup_is_a_throughput_ratio_when_outputs_differ_in_length():
+    """A sampled decoder that stops sooner must not look faster for it: 1 s for 7 decoded tokens
+    against target-only's 1 s for 3 is 7/3x, and a quarter of the tokens in the same time is 0.25x."""
+    longer = [Run(prompt_tokens=10, baseline=result([0, 0, 0, 0]), speculative={"a": result([3, 3])})]
+    assert summarize(longer, "a", 7, greedy=False)["speedup"] == pytest.approx(7 / 3)
+    shorter = [Run(prompt_tokens=10, baseline=result([0, 0, 0, 0, 0]), speculative={"a": result([1])})]
+    assert summarize(shorter, "a", 7, greedy=False)["speedup"] == pytest.approx(1 / 4)

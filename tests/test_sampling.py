@@ -116,6 +116,24 @@ def test_greedy_sample_is_argmax():
     np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
 
 
+def test_greedy_rows_agree_whether_or_not_the_batch_samples():
+    """An all-greedy batch takes the argmax-only branch; a mixed batch runs the full draw. A
+    greedy row must get the same token and one-hot distribution from both."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(3, 300)), jnp.float32)
+    keys = request_keys(range(3))
+    all_greedy = SamplingParams.broadcast(SamplingConfig(), 3)
+    mixed = SamplingParams.from_configs([SamplingConfig(), SamplingConfig(temperature=1.0, top_k=20), SamplingConfig()])
+    argmax = np.argmax(np.asarray(logits), -1)
+    for params in (all_greedy, mixed):
+        tokens = np.asarray(sample(logits, params, keys))
+        probs = np.asarray(probabilities(logits, params))
+        np.testing.assert_array_equal(tokens[[0, 2]], argmax[[0, 2]])
+        np.testing.assert_array_equal(probs[[0, 2]], np.eye(300)[argmax[[0, 2]]])
+    sampled_alone = sample(logits[1:2], SamplingParams.from_configs([SamplingConfig(temperature=1.0, top_k=20)]), keys[1:2])
+    assert int(sample(logits, mixed, keys)[1]) == int(sampled_alone[0])
+    np.testing.assert_allclose(np.asarray(probabilities(logits, mixed))[1].sum(), 1.0, rtol=1e-5)
+
+
 def test_samples_follow_the_distribution():
     """Empirical frequencies over many keys match `probabilities` (chi-square, small vocab)."""
     config = SamplingConfig(temperature=0.8, top_k=6, top_p=0.9)

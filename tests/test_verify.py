@@ -65,6 +65,22 @@ def test_per_row_verify_lengths():
     np.testing.assert_array_equal(out.emitted_BxE, [[1, 2, 3, 4], [1, 2, -1, -1], [1, -1, -1, -1]])
 
 
+def test_greedy_rows_get_the_same_verdict_in_a_batch_that_samples():
+    """All-greedy batches skip the residual draw (argmax of a one-hot); mixed batches draw.
+    The greedy rows' verdicts must not depend on which branch ran."""
+    tokens = jnp.asarray([[1, 2, 3], [1, 2, 3], [4, 4, 4]], jnp.int32)
+    target = one_hot_logits([[1, 0, 3, 4], [1, 2, 3, 5], [0, 1, 2, 3]])
+    lengths = jnp.asarray([3, 3, 2], jnp.int32)
+    keys = request_keys(range(3))
+    verdicts = [
+        verify(tokens, greedy_q(tokens), target, lengths, SamplingParams.from_configs(configs), keys, NO_STOP)
+        for configs in ([GREEDY] * 3, [GREEDY, SamplingConfig(temperature=1.0), GREEDY])
+    ]
+    for verdict in verdicts:
+        np.testing.assert_array_equal(np.asarray(verdict.emitted_BxE)[[0, 2]], [[1, 0, -1, -1], [0, -1, -1, -1]])
+    np.testing.assert_array_equal(verdicts[0].emitted_BxE[1], [1, 2, 3, 5])
+
+
 def test_stop_id_inside_the_accepted_span_ends_the_request():
     out = run([[1, 2, 3], [1, 5, 5]], [[1, 2, 3, 4], [1, 0, 0, 0]], [3, 3], stop=jnp.asarray([2, 0]))
     np.testing.assert_array_equal(out.emitted_BxE[0], [1, 2, -1, -1])

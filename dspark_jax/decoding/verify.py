@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.sampling import SamplingParams, probabilities
+from dspark_jax.sampling import SamplingParams, any_sampled, probabilities
 
 # Residual mass below this is treated as zero (p and q agree up to rounding): draw from p.
 RESIDUAL_EPS = 1e-6
@@ -84,7 +84,12 @@ def verify(
     mass = residual.sum(-1, keepdims=True)
     use_residual = rejected[:, None] & (mass > RESIDUAL_EPS)
     next_dist = jnp.where(use_residual, residual / jnp.where(mass > 0, mass, 1.0), p_next)
-    next_token = jax.vmap(jax.random.categorical)(sample_keys, jnp.log(next_dist)).astype(jnp.int32)
+    # Greedy rows' next_dist is one-hot, so an all-greedy batch takes its argmax (no draw).
+    next_token = jax.lax.cond(
+        any_sampled(params),
+        lambda: jax.vmap(jax.random.categorical)(sample_keys, jnp.log(next_dist)).astype(jnp.int32),
+        lambda: jnp.argmax(next_dist, axis=-1).astype(jnp.int32),
+    )
 
     slots = jnp.arange(gamma + 1)[None, :]
     drafted = jnp.concatenate([draft_tokens_BxG, jnp.zeros((batch, 1), jnp.int32)], axis=1)

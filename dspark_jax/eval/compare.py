@@ -3,9 +3,12 @@
 Used by ``dspark bench`` and ``scripts/bench_speculative.py``. Every decoder is compiled for every
 prompt-length bucket and warmed up with one untimed run before anything is timed; the prompts are
 then run one at a time (B=1), target-only first and each speculative decoder right after it on
-the same prompt, so a burst of load from other processes hits all of them alike. Speedup is
-``Σ target-only decode time / Σ speculative decode time`` over the prompts (prefill and
-compilation excluded; an end-to-end ratio with prefill is reported next to it). For greedy
+the same prompt, so a burst of load from other processes hits all of them alike. Speedup is the
+ratio of decode throughputs, ``(Σ speculative tokens / Σ speculative decode time) / (the same for
+target-only)`` over the prompts (prefill and compilation excluded; an end-to-end ratio with
+prefill is reported next to it). Greedy outputs are identical, so it equals the ratio of decode
+times; sampled outputs differ, in length too, and a time ratio would credit whichever decoder
+happened to stop sooner. For greedy
 decoding the speculative output must equal the target-only output token for token; prompts where
 it does not are listed.
 """
@@ -237,18 +240,22 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
             widths[width] = widths.get(width, 0) + count
     draft_s = sum(r.draft_s for r in spec)
     verify_s = sum(r.verify_s for r in spec)
+    # Only greedy outputs must equal target-only's token for token; sampled ones draw from other
+    # random streams, so a difference there says nothing.
     differing = []
-    for label, b, s in zip(labels, base, spec):
+    for label, b, s in zip(labels, base, spec) if greedy else ():
         at = first_difference(b.tokens[0], s.tokens[0])
         if at is not None:
             differing.append({"prompt": label, "first_difference_at": at,
                               "target_only_tokens": len(b.tokens[0]), "speculative_tokens": len(s.tokens[0])})
     base_tokens = _decode_tokens([t for r in base for t in r.tokens])
     spec_tokens = _decode_tokens([t for r in spec for t in r.tokens])
+    base_all = sum(len(t) for r in base for t in r.tokens)
+    spec_all = sum(len(t) for r in spec for t in r.tokens)
     return {
         "prompts": len(runs),
-        "speedup": _ratio(base_decode, spec_decode),
-        "speedup_with_prefill": _ratio(base_total, spec_total),
+        "speedup": _ratio(_ratio(spec_tokens, spec_decode), _ratio(base_tokens, base_decode)),
+        "speedup_with_prefill": _ratio(_ratio(spec_all, spec_total), _ratio(base_all, base_total)),
         "tau": float(np.mean(accepted_all + 1)) if accepted_all.size else float("nan"),
         "per_position_acceptance": per_position_acceptance(accepted_all, offered_all, gamma).tolist()
         if accepted_all.size else [float("nan")] * gamma,
@@ -270,7 +277,7 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
                              "verify": 1e3 * _ratio(verify_s, sum(r.rounds for r in spec))},
         },
         "identical": (not differing) if greedy else None,
-        "differing_prompts": differing,
+        "differing_prompts": differing if greedy else None,
         "per_prompt": [
             {"prompt": label, "prompt_tokens": r.prompt_tokens, "tokens": len(s.tokens[0]),
              "finish": s.finish_reasons[0], "target_only_decode_s": b.decode_s, "speculative_decode_s": s.decode_s,
@@ -281,7 +288,7 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
 
 
 def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, *,
-                       level: float = 0.9, draws: int = 4000, seed: int = 0) -> list[float]:
+                       level: float = 0.9, draws: int = 4000, seed: int = 0, drafts_only: bool = False) -> list[float]:
     """Percentile-bootstrap interval ``[low, high]`` of the macro τ ratio ``numerator / denominator``.
 
     Each draw resamples every domain's prompts with replacement, the same prompts for both
@@ -289,17 +296,22 @@ def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str,
     (committed tokens / rounds, pooled over the prompts). Greedy τ is deterministic, so the
     interval says how much the ratio depends on which prompts were drawn: the question a handful
     of prompts per domain leaves open.
+
+    ``drafts_only`` takes the ratio of accepted drafts per round, ``τ − 1``, instead: the bonus
+    token every round commits dilutes the τ ratio while acceptance is low (τ 1.5 vs 2.0 is a
+    ratio of 1.33 where the drafts alone differ 2×), so this one compares the drafters alone.
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
+    bonus = 0 if drafts_only else 1
     macro_tau = {numerator: np.zeros(draws), denominator: np.zeros(draws)}
     for runs in runs_by_domain.values():
         picks = rng.integers(0, len(runs), size=(draws, len(runs)))
         for name, total in macro_tau.items():
             accepted = [np.concatenate(r.speculative[name].accepted_per_round or [np.zeros(0, int)]) for r in runs]
             rounds = np.array([a.size for a in accepted])[picks].sum(axis=1)
-            committed = np.array([(a + 1).sum() for a in accepted])[picks].sum(axis=1)
+            committed = np.array([(a + bonus).sum() for a in accepted])[picks].sum(axis=1)
             with np.errstate(invalid="ignore", divide="ignore"):
                 total += committed / rounds  # a draw of round-less prompts only gives NaN
     ratio = macro_tau[numerator] / macro_tau[denominator]  # the 1/domains of both means cancels
