@@ -8,9 +8,8 @@ ratio of decode throughputs, ``(Σ speculative tokens / Σ speculative decode ti
 target-only)`` over the prompts (prefill and compilation excluded; an end-to-end ratio with
 prefill is reported next to it). Greedy outputs are identical, so it equals the ratio of decode
 times; sampled outputs differ, in length too, and a time ratio would credit whichever decoder
-happened to stop sooner. For greedy
-decoding the speculative output must equal the target-only output token for token; prompts where
-it does not are listed.
+happened to stop sooner. For greedy decoding the speculative output must equal the target-only
+output token for token; prompts where it does not are listed.
 """
 
 from __future__ import annotations
