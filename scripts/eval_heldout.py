@@ -13,11 +13,18 @@ has ``init_from`` legs) with its training objective on:
   (``--heldout-only`` skips it; legs that trained on different caches, e.g. a leg on fresh
   seeds, share none).
 
-Both use the same anchor sampling as training. Writes JSON (``--out``); prints one line per
-drafter, then ``{"<leg>": {"heldout": τ, "train": τ}, ...}`` last. τ here is the analytic
-estimate of the training log (spec §5), not a decoding τ.
+Both use the same anchor sampling as training; ``heldout_domains`` splits the held-out score by
+the prompts' domain. ``--temperature`` (with ``--top-p``/``--top-k``) samples the held-out
+answers otherwise than the training cache did: the analytic τ on answers sampled at a decoding
+temperature tracks the τ of decoding at it (``docs/TRAINING.md``). ``--benchmarks DIR`` scores on
+the target's answers to GSM8K / HumanEval / MT-Bench prompts instead of a mix (evaluation only,
+from ``--benchmark-skip`` on, past the prompts the speculative benchmark decodes).
+
+Writes JSON (``--out``); prints one line per drafter, then ``{"<leg>": {"heldout": τ, "train": τ},
+...}`` last. τ here is the analytic estimate of the training log (spec §5), not a decoding τ.
 
     .venv/bin/python scripts/eval_heldout.py    # the three SmolLM2 configs, 48 held-out prompts
+    .venv/bin/python scripts/eval_heldout.py --heldout-only --last-legs 2 --benchmarks ../shared/benchmarks --temperature 1
 """
 
 from __future__ import annotations
@@ -37,10 +44,22 @@ def parse_args(argv):
     ap.add_argument("--config", action="append", default=None,
                     help="training config (repeatable; default: the three SmolLM2 configs); all must share one data set")
     ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 48; --quick: 8)")
-    ap.add_argument("--data-seed", type=int, default=1, help="prompt seed of the held-out set (training uses the config's)")
-    ap.add_argument("--mix", default="paper", help="prompt mix of the held-out set, a name in training/data.py MIXES (default paper)")
+    ap.add_argument("--data-seed", type=int, default=None, help="prompt seed of the held-out set (default 1; training uses the config's)")
+    ap.add_argument("--mix", default=None, help="prompt mix of the held-out set, a name in training/data.py MIXES (default paper)")
+    ap.add_argument("--benchmarks", default=None, metavar="DIR",
+                    help="score on the target's answers to benchmark prompts instead of a mix: num-prompts / 3 from each "
+                    "of DIR's gsm8k.jsonl, humaneval.jsonl and mt-bench.jsonl (evaluation only; nothing trains on them)")
+    ap.add_argument("--benchmark-skip", type=int, default=10,
+                    help="with --benchmarks: start at this line of each file (default 10, past the prompts that "
+                    "bench_speculative.py decodes by default)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="sample the held-out answers at this temperature (0 = greedy; default: the first config's "
+                    "cache settings, top-k/top-p included); with it, top-k and top-p are off unless given")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature (default 1 = off)")
+    ap.add_argument("--top-k", type=int, default=None, help="with --temperature (default 0 = off)")
     ap.add_argument("--cache-dir", default=None,
-                    help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N})")
+                    help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N}, "
+                    "then _{mix} for a mix other than paper, then _t{T}_p{P}_k{K} with --temperature)")
     ap.add_argument("--last-legs", type=int, default=None, help="score only each config's last N legs (default: all)")
     ap.add_argument("--heldout-only", action="store_true",
                     help="skip the training-sequence score (needed when the legs trained on different caches)")
@@ -51,11 +70,28 @@ def parse_args(argv):
         args.num_prompts = 8 if args.quick else 48
     if args.num_prompts < 1:
         ap.error("--num-prompts must be >= 1")
+    if args.benchmarks is not None:
+        if args.mix is not None or args.data_seed is not None:
+            ap.error("--benchmarks scores benchmark prompts: --mix and --data-seed do not apply")
+        if args.num_prompts % 3 or args.benchmark_skip < 0:
+            ap.error("--benchmarks needs --num-prompts divisible by 3 (one third per domain) and --benchmark-skip >= 0")
+    args.mix = "paper" if args.mix is None else args.mix
+    args.data_seed = 1 if args.data_seed is None else args.data_seed
     if args.last_legs is not None and args.last_legs < 1:
         ap.error("--last-legs must be >= 1")
+    if args.temperature is None and (args.top_p is not None or args.top_k is not None):
+        ap.error("--top-p and --top-k go with --temperature")
+    if args.temperature is not None:
+        args.top_p = 1.0 if args.top_p is None else args.top_p
+        args.top_k = 0 if args.top_k is None else args.top_k
+        if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+            ap.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
     if args.cache_dir is None:
         mix = "" if args.mix == "paper" else f"_{args.mix}"
-        args.cache_dir = f"runs/heldout_cache_seed{args.data_seed}_n{args.num_prompts}{mix}"
+        sampling = "" if args.temperature is None else f"_t{args.temperature:g}_p{args.top_p:g}_k{args.top_k}"
+        prompts = (f"seed{args.data_seed}" if args.benchmarks is None
+                   else f"benchmarks_skip{args.benchmark_skip}")
+        args.cache_dir = f"runs/heldout_cache_{prompts}_n{args.num_prompts}{'' if args.benchmarks else mix}{sampling}"
     return args
 
 
@@ -63,6 +99,30 @@ def drafter_legs(config, last: int | None = None):
     """(name, exported drafter dir, config) of ``config``'s legs (the ``last`` ones), first leg first."""
     legs = config.legs if last is None else config.legs[-last:]
     return [(leg.name, Path(leg.out_dir) / "drafter", leg) for leg in legs]
+
+
+def benchmark_prompts(directory, per_domain: int, skip: int) -> list:
+    """``per_domain`` first turns from each domain's benchmark file, from line ``skip`` on, with
+    ids ``{domain}-{line:06d}``."""
+    from dspark_jax.eval.compare import DOMAIN_FILES, read_prompts_jsonl
+    from dspark_jax.training.data import TrainingPrompt
+
+    prompts = []
+    for domain, file in DOMAIN_FILES.items():
+        texts = read_prompts_jsonl(Path(directory) / file, limit=skip + per_domain)[skip:]
+        if len(texts) < per_domain:
+            raise ValueError(f"{file} has {len(texts) + skip} prompts; --benchmark-skip {skip} leaves fewer than {per_domain}")
+        prompts += [TrainingPrompt(f"{domain}-{skip + i:06d}", domain, text) for i, text in enumerate(texts)]
+    return prompts
+
+
+def domain_metrics(score, config, sequences) -> dict:
+    """``mean_metrics`` per domain (the id prefix) that fills at least one batch."""
+    from dspark_jax.training.train import mean_metrics
+
+    domains = sorted({s.name.split("-")[0] for s in sequences})
+    subsets = {d: [s for s in sequences if s.name.split("-")[0] == d] for d in domains}
+    return {d: mean_metrics(score, config, subset) for d, subset in subsets.items() if len(subset) >= config.batch_size}
 
 
 def main(argv=None) -> int:
@@ -88,9 +148,13 @@ def main(argv=None) -> int:
         if any(getattr(config, f) != getattr(first, f) for f in data):
             raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
     target, tokenizer = load_target(first)
+    answers = first.cache
+    if args.temperature is not None:
+        answers = dataclasses.replace(answers, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     heldout_config = dataclasses.replace(first, heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
-                                         heldout_mix=args.mix, heldout_cache_dir=args.cache_dir)
-    heldout = build_heldout_cache(heldout_config, target, tokenizer)
+                                         heldout_mix=args.mix, heldout_cache_dir=args.cache_dir, cache=answers)
+    prompts = None if args.benchmarks is None else benchmark_prompts(args.benchmarks, args.num_prompts // 3, args.benchmark_skip)
+    heldout = build_heldout_cache(heldout_config, target, tokenizer, prompts=prompts)
     names = [s.name for s in heldout]
     scored = [leg for config in configs for _, _, leg in drafter_legs(config, args.last_legs)]
     training = None
@@ -115,16 +179,21 @@ def main(argv=None) -> int:
             drafter = load_drafter(directory, target=target.cfg)
             # One compiled scorer per drafter, for both sets (their batches have one shape).
             score = jax.jit(lambda batch, drafter=drafter, leg=leg: objective(drafter, leg, batch, embed, head)[1])
-            results[name] = {"drafter": str(directory), "heldout": mean_metrics(score, leg, heldout)}
+            results[name] = {"drafter": str(directory), "heldout": mean_metrics(score, leg, heldout),
+                             "heldout_domains": domain_metrics(score, leg, heldout)}
             if training is not None:
                 results[name]["train"] = mean_metrics(score, leg, training)
             r = results[name]
-            line = f"{name:28s} τ held-out {r['heldout']['tau']:.3f}"
+            by_domain = " ".join(f"{d} {m['tau']:.3f}" for d, m in r["heldout_domains"].items())
+            line = f"{name:28s} τ held-out {r['heldout']['tau']:.3f} ({by_domain})"
             if training is not None:
                 line += f"  train {r['train']['tau']:.3f}  gap {r['train']['tau'] - r['heldout']['tau']:.3f}"
             print(line)
     out = {
-        "heldout": {"prompts": len(heldout), "data_seed": args.data_seed, "mix": args.mix, "cache": str(args.cache_dir),
+        "heldout": {"prompts": len(heldout), "cache": str(args.cache_dir),
+                    **({"data_seed": args.data_seed, "mix": args.mix} if args.benchmarks is None else
+                       {"benchmarks": str(args.benchmarks), "skip": args.benchmark_skip}),
+                    "answers": {"temperature": answers.temperature, "top_p": answers.top_p, "top_k": answers.top_k},
                     "domains": {d: sum(n.startswith(d) for n in names) for d in sorted({n.split("-")[0] for n in names})}},
         "results": results,
     }

@@ -170,3 +170,43 @@ def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared
         assert split["draft_s"] + split["verify_s"] <= d["decode_s"]["speculative"]
         assert d["tokens_per_s"]["target_only"] > 0 and d["tokens_per_s"]["speculative"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _eval_heldout_script():
+    spec = importlib.util.spec_from_file_location("eval_heldout", REPO / "scripts" / "eval_heldout.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
+    script = _eval_heldout_script()
+    assert script.parse_args([]).cache_dir == "runs/heldout_cache_seed1_n48"
+    args = script.parse_args(["--mix", "formats", "--temperature", "1"])
+    assert (args.top_p, args.top_k) == (1.0, 0)  # top-k and top-p are off unless given
+    assert args.cache_dir == "runs/heldout_cache_seed1_n48_formats_t1_p1_k0"
+    args = script.parse_args(["--benchmarks", "b", "--num-prompts", "12", "--benchmark-skip", "3"])
+    assert args.cache_dir == "runs/heldout_cache_benchmarks_skip3_n12"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--benchmarks", "b", "--mix", "writing"],  # a mix means nothing for benchmark prompts
+    ["--benchmarks", "b", "--data-seed", "2"],
+    ["--benchmarks", "b", "--num-prompts", "10"],  # not a third per domain
+    ["--top-k", "20"],  # without --temperature
+    ["--temperature", "-1"],
+])
+def test_eval_heldout_rejects_contradictory_options(argv):
+    with pytest.raises(SystemExit):
+        _eval_heldout_script().parse_args(argv)
+
+
+def test_eval_heldout_reads_benchmark_prompts_past_the_skip():
+    script = _eval_heldout_script()
+    fixtures = REPO / "tests" / "fixtures" / "bench_prompts"
+    prompts = script.benchmark_prompts(fixtures, per_domain=1, skip=1)
+    assert [p.id for p in prompts] == ["math-000001", "code-000001", "chat-000001"]
+    second_gsm8k = json.loads((fixtures / "gsm8k.jsonl").read_text().splitlines()[1])["turns"][0]
+    assert prompts[0].text == second_gsm8k and prompts[0].domain == "math"
+    with pytest.raises(ValueError, match="fewer than 2"):
+        script.benchmark_prompts(fixtures, per_domain=2, skip=1)

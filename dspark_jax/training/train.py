@@ -425,9 +425,10 @@ def heldout_prompts(config: TrainConfig) -> list:
     return fresh
 
 
-def build_heldout_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> list[CachedSequence]:
-    """The target's answers to the held-out prompts, cached like the training set's (resumable)."""
-    ids, names = render_prompts(config, heldout_prompts(config), tokenizer)
+def build_heldout_cache(config: TrainConfig, target, tokenizer, *, prompts=None, progress: bool = True) -> list[CachedSequence]:
+    """The target's answers to the held-out prompts (``prompts``, default ``heldout_prompts(config)``;
+    the first ``config.heldout_prompts`` that fit), cached like the training set's (resumable)."""
+    ids, names = render_prompts(config, heldout_prompts(config) if prompts is None else prompts, tokenizer)
     ids, names = ids[: config.heldout_prompts], names[: config.heldout_prompts]
     spec = dataclasses.replace(config.cache, shard_size=min(config.cache.shard_size, 16))
     TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id]).build(
