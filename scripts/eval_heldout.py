@@ -30,6 +30,7 @@ Writes JSON (``--out``); prints one line per drafter, then ``{"<leg>": {"heldout
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import sys
@@ -43,7 +44,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", action="append", default=None,
                     help="training config (repeatable; default: the three SmolLM2 configs); all must share one data set")
-    ap.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 48; --quick: 8)")
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="held-out prompts (default 48; --quick: 8, or 9 with --benchmarks)")
     ap.add_argument("--data-seed", type=int, default=None, help="prompt seed of the held-out set (default 1; training uses the config's)")
     ap.add_argument("--mix", default=None, help="prompt mix of the held-out set, a name in training/data.py MIXES (default paper)")
     ap.add_argument("--benchmarks", default=None, metavar="DIR",
@@ -67,7 +69,7 @@ def parse_args(argv):
     ap.add_argument("--out", default=str(REPO_ROOT / "docs" / "heldout_tau.json"))
     args = ap.parse_args(argv)
     if args.num_prompts is None:
-        args.num_prompts = 8 if args.quick else 48
+        args.num_prompts = (9 if args.benchmarks else 8) if args.quick else 48
     if args.num_prompts < 1:
         ap.error("--num-prompts must be >= 1")
     if args.benchmarks is not None:
@@ -82,10 +84,14 @@ def parse_args(argv):
     if args.temperature is None and (args.top_p is not None or args.top_k is not None):
         ap.error("--top-p and --top-k go with --temperature")
     if args.temperature is not None:
+        from dspark_jax.config import SamplingConfig
+
         args.top_p = 1.0 if args.top_p is None else args.top_p
         args.top_k = 0 if args.top_k is None else args.top_k
-        if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-            ap.error("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0")
+        try:
+            SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        except ValueError as error:
+            ap.error(f"--temperature/--top-k/--top-p: {error}")
     if args.cache_dir is None:
         mix = "" if args.mix == "paper" else f"_{args.mix}"
         sampling = "" if args.temperature is None else f"_t{args.temperature:g}_p{args.top_p:g}_k{args.top_k}"
@@ -116,13 +122,19 @@ def benchmark_prompts(directory, per_domain: int, skip: int) -> list:
     return prompts
 
 
+def domain_of(prompt_id: str) -> str:
+    """A prompt id's domain: ``math-000012`` -> ``math`` (training and benchmark ids alike)."""
+    return prompt_id.split("-")[0]
+
+
 def domain_metrics(score, config, sequences) -> dict:
-    """``mean_metrics`` per domain (the id prefix) that fills at least one batch."""
+    """``mean_metrics`` per domain that fills at least one batch."""
     from dspark_jax.training.train import mean_metrics
 
-    domains = sorted({s.name.split("-")[0] for s in sequences})
-    subsets = {d: [s for s in sequences if s.name.split("-")[0] == d] for d in domains}
-    return {d: mean_metrics(score, config, subset) for d, subset in subsets.items() if len(subset) >= config.batch_size}
+    subsets = {}
+    for seq in sequences:
+        subsets.setdefault(domain_of(seq.name), []).append(seq)
+    return {d: mean_metrics(score, config, subsets[d]) for d in sorted(subsets) if len(subsets[d]) >= config.batch_size}
 
 
 def main(argv=None) -> int:
@@ -194,7 +206,7 @@ def main(argv=None) -> int:
                     **({"data_seed": args.data_seed, "mix": args.mix} if args.benchmarks is None else
                        {"benchmarks": str(args.benchmarks), "skip": args.benchmark_skip}),
                     "answers": {"temperature": answers.temperature, "top_p": answers.top_p, "top_k": answers.top_k},
-                    "domains": {d: sum(n.startswith(d) for n in names) for d in sorted({n.split("-")[0] for n in names})}},
+                    "domains": dict(sorted(collections.Counter(domain_of(n) for n in names).items()))},
         "results": results,
     }
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -189,16 +189,22 @@ def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
     assert args.cache_dir == "runs/heldout_cache_benchmarks_skip3_n12"
 
 
-@pytest.mark.parametrize("argv", [
-    ["--benchmarks", "b", "--mix", "writing"],  # a mix means nothing for benchmark prompts
-    ["--benchmarks", "b", "--data-seed", "2"],
-    ["--benchmarks", "b", "--num-prompts", "10"],  # not a third per domain
-    ["--top-k", "20"],  # without --temperature
-    ["--temperature", "-1"],
+@pytest.mark.parametrize("argv, message", [
+    (["--benchmarks", "b", "--mix", "writing"], "do not apply"),  # a mix means nothing for benchmark prompts
+    (["--benchmarks", "b", "--data-seed", "2"], "do not apply"),
+    (["--benchmarks", "b", "--num-prompts", "10"], "divisible by 3"),  # not a third per domain
+    (["--top-k", "20"], "go with --temperature"),
+    (["--temperature", "-1"], "temperature must be >= 0"),  # SamplingConfig's own check
+    (["--temperature", "1", "--top-p", "0"], "top_p must be in"),
 ])
-def test_eval_heldout_rejects_contradictory_options(argv):
+def test_eval_heldout_rejects_contradictory_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         _eval_heldout_script().parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_eval_heldout_quick_benchmark_run_takes_a_third_per_domain():
+    assert _eval_heldout_script().parse_args(["--quick", "--benchmarks", "b"]).num_prompts == 9
 
 
 def test_eval_heldout_reads_benchmark_prompts_past_the_skip():
