@@ -21,7 +21,10 @@ the target's answers to GSM8K / HumanEval / MT-Bench prompts instead of a mix (e
 from ``--benchmark-skip`` on, past the prompts the speculative benchmark decodes).
 
 Writes JSON (``--out``); prints one line per drafter, then ``{"<leg>": {"heldout": τ, "train": τ},
-...}`` last. τ here is the analytic estimate of the training log (spec §5), not a decoding τ.
+...}`` last. τ here is the analytic estimate of the training log (spec §5), not a decoding τ;
+``tau_greedy`` beside it is the teacher-forced τ of greedy drafting and verification (the draft's
+argmax must be the answer's token), which on greedy answers (``--temperature 0``) is what
+greedy decoding measures, up to where its rounds start.
 
     .venv/bin/python scripts/eval_heldout.py    # the three SmolLM2 configs, 48 held-out prompts
     .venv/bin/python scripts/eval_heldout.py --heldout-only --last-legs 2 --benchmarks ../shared/benchmarks --temperature 1
@@ -59,6 +62,10 @@ def parse_args(argv):
                     "cache settings, top-k/top-p included); with it, top-k and top-p are off unless given")
     ap.add_argument("--top-p", type=float, default=None, help="with --temperature (default 1 = off)")
     ap.add_argument("--top-k", type=int, default=None, help="with --temperature (default 0 = off)")
+    ap.add_argument("--replay", type=int, default=None, metavar="TOKENS",
+                    help="with --temperature 0: also replay greedy decoding of TOKENS new tokens per answer from the "
+                    "cache (dspark_jax/eval/replay.py): the τ and per-position acceptance bench_speculative.py "
+                    "measures, per domain, without running the target")
     ap.add_argument("--cache-dir", default=None,
                     help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N}, "
                     "then _{mix} for a mix other than paper, then _t{T}_p{P}_k{K} with --temperature)")
@@ -92,6 +99,8 @@ def parse_args(argv):
             SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         except ValueError as error:
             ap.error(f"--temperature/--top-k/--top-p: {error}")
+    if args.replay is not None and (args.temperature != 0 or args.replay < 2):
+        ap.error("--replay needs --temperature 0 (greedy answers are the path greedy decoding takes) and TOKENS >= 2")
     if args.cache_dir is None:
         mix = "" if args.mix == "paper" else f"_{args.mix}"
         sampling = "" if args.temperature is None else f"_t{args.temperature:g}_p{args.top_p:g}_k{args.top_k}"
@@ -137,12 +146,46 @@ def domain_metrics(score, config, sequences) -> dict:
     return {d: mean_metrics(score, config, subsets[d]) for d in sorted(subsets) if len(subsets[d]) >= config.batch_size}
 
 
+def replay_by_domain(chains, sequences, *, gamma: int, max_new_tokens: int, stop_ids):
+    """Greedy decoding replayed per domain: (the benchmark's summary per domain and its macro τ,
+    ``{domain: {name: drafts accepted per round}}`` for the ratio intervals)."""
+    from dspark_jax.eval.replay import replay_sequences, replay_summary
+
+    subsets = {}
+    for seq in sequences:
+        subsets.setdefault(domain_of(seq.name), []).append(seq)
+    accepted = {d: replay_sequences(chains, subsets[d], max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+                for d in sorted(subsets)}
+    domains = {d: replay_summary(a, gamma) for d, a in accepted.items()}
+    return {"tau": sum(r["tau"] for r in domains.values()) / len(domains), "domains": domains}, accepted
+
+
+def replay_ratios(results: dict, kinds: dict, accepted: dict) -> dict:
+    """τ(DSpark) / τ(DFlash) and / τ(EAGLE-3) of the replayed decoding, each with the benchmark's
+    90% bootstrap interval over prompts, between the last scored drafter of each kind."""
+    from dspark_jax.eval.compare import ratio_interval
+
+    last = {kind: name for name, kind in kinds.items()}
+    ratios = {}
+    for other, key in (("dflash", "tau_ratio"), ("eagle3", "tau_ratio_eagle3")):
+        if "dspark" not in last or other not in last:
+            continue
+        mine, theirs = last["dspark"], last[other]
+        by_domain = {d: {mine: list(accepted[mine][d].values()), theirs: list(accepted[theirs][d].values())}
+                     for d in accepted[mine]}
+        ratios[key] = results[mine]["replay"]["tau"] / results[theirs]["replay"]["tau"]
+        ratios[f"{key}_interval"] = ratio_interval(by_domain, mine, theirs)
+    return ratios
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
     import numpy as np
 
     from dspark_jax.checkpoints.drafter import load_drafter
+    from dspark_jax.eval.compare import json_clean
+    from dspark_jax.training.losses import greedy_chains
     from dspark_jax.training.train import (
         build_heldout_cache,
         load_config,
@@ -182,7 +225,7 @@ def main(argv=None) -> int:
         training = [training[i] for i in rows]
     embed, head = jax.jit(target.embedding_and_head)(target.params)
 
-    results = {}
+    results, kinds, replayed = {}, {}, {}
     for config in configs:
         for name, directory, leg in drafter_legs(config, args.last_legs):
             if not directory.exists():
@@ -197,9 +240,16 @@ def main(argv=None) -> int:
                 results[name]["train"] = mean_metrics(score, leg, training)
             r = results[name]
             by_domain = " ".join(f"{d} {m['tau']:.3f}" for d, m in r["heldout_domains"].items())
-            line = f"{name:28s} τ held-out {r['heldout']['tau']:.3f} ({by_domain})"
+            line = f"{name:28s} τ held-out {r['heldout']['tau']:.3f} ({by_domain}) greedy {r['heldout']['tau_greedy']:.3f}"
             if training is not None:
                 line += f"  train {r['train']['tau']:.3f}  gap {r['train']['tau'] - r['heldout']['tau']:.3f}"
+            if args.replay is not None:
+                chains = jax.jit(lambda batch, drafter=drafter: greedy_chains(drafter, embed, head, batch))
+                r["replay"], replayed[name] = replay_by_domain(
+                    chains, heldout, gamma=drafter.cfg.block_size, max_new_tokens=args.replay,
+                    stop_ids=[tokenizer.eos_token_id])
+                kinds[name] = drafter.cfg.kind
+                line += f"  replayed greedy decoding τ {r['replay']['tau']:.3f}"
             print(line)
     out = {
         "heldout": {"prompts": len(heldout), "cache": str(args.cache_dir),
@@ -209,7 +259,10 @@ def main(argv=None) -> int:
                     "domains": dict(sorted(collections.Counter(domain_of(n) for n in names).items()))},
         "results": results,
     }
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    if replayed:
+        out["replay"] = {"max_new_tokens": args.replay, **replay_ratios(results, kinds, replayed)}
+        print("replayed greedy decoding: " + json.dumps(out["replay"]))
+    Path(args.out).write_text(json.dumps(json_clean(out), indent=1))  # NaN (a slot never reached) -> null
     print(f"wrote {args.out}")
     print(json.dumps({name: {k: r[k]["tau"] for k in ("heldout", "train") if k in r} for name, r in results.items()}))
     return 0

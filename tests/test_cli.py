@@ -196,6 +196,9 @@ def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
     (["--top-k", "20"], "go with --temperature"),
     (["--temperature", "-1"], "temperature must be >= 0"),  # SamplingConfig's own check
     (["--temperature", "1", "--top-p", "0"], "top_p must be in"),
+    (["--replay", "96"], "--replay needs --temperature 0"),  # sampled answers are not greedy decoding's path
+    (["--replay", "96", "--temperature", "1"], "--replay needs --temperature 0"),
+    (["--replay", "1", "--temperature", "0"], "TOKENS >= 2"),
 ])
 def test_eval_heldout_rejects_contradictory_options(argv, message, capsys):
     with pytest.raises(SystemExit):

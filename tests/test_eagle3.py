@@ -136,3 +136,44 @@ def test_reduced_head_loss_and_proposal(setup):
     q = np.asarray(block.q_BxGxV)
     np.testing.assert_allclose(q.sum(-1), 1.0, rtol=1e-5)
     assert (q[..., 1::2] == 0).all()
+
+
+def test_ttt_acceptance_metrics_are_per_anchor_chains(setup):
+    """EAGLE-3's analytic τ chains each anchor's steps like a DSpark block (mean of products,
+    not product of means), and its greedy τ stops at the first step whose argmax misses."""
+    from dspark_jax.training.losses import TrainBatch, eagle3_loss
+    from tests.test_losses import np_softmax
+
+    cfg, model, embed, feats, _, _ = setup
+    # Tokens chosen left to right so that at every other index t step 0 (which holds tokens[t+1])
+    # predicts tokens[t+2]: those anchors' greedy chains pass slot 0, the others (mostly) stop there.
+    tokens = np.array(jax.random.randint(jax.random.PRNGKey(3), (1, SEQ), 0, cfg.vocab_size))
+    for t in range(0, SEQ - 2, 2):
+        step0 = model.forward_train(embed, feats, jnp.asarray(tokens), steps=1)
+        tokens[0, t + 2] = int(np.argmax(np.asarray(model.logits(step0[0], embed))[0, t]))
+    tokens = jnp.asarray(tokens)
+    hidden = model.forward_train(embed, feats, tokens)
+    target_hidden = jax.random.normal(jax.random.PRNGKey(5), (1, SEQ, cfg.hidden_size))
+    anchors = np.arange(1, SEQ - 1, dtype=np.int32)[None]
+    data = TrainBatch(tokens, jnp.ones((1, SEQ), jnp.int32), feats, target_hidden, jnp.asarray(anchors),
+                      jnp.ones(anchors.shape, bool))
+    _, metrics = eagle3_loss(model, embed, embed, data)
+
+    logits = np.asarray(model.logits(hidden, embed))[:, 0]  # [K, S, V]
+    target = np_softmax(np.asarray(target_hidden[0] @ embed.T))
+    taus, greedy_taus = [], []
+    for a in anchors[0]:
+        tau, chain, greedy, alive = 1.0, 1.0, 1.0, True
+        for k in range(STEPS):
+            if a + 1 + k >= SEQ:
+                break
+            q = np_softmax(logits[k, a - 1])
+            chain *= np.minimum(q, target[a + k]).sum()
+            tau += chain
+            alive = alive and q.argmax() == int(tokens[0, a + 1 + k])
+            greedy += alive
+        taus.append(tau)
+        greedy_taus.append(greedy)
+    assert 1 < np.mean(greedy_taus) < 2.5
+    np.testing.assert_allclose(metrics["tau_probabilistic"], np.mean(taus), rtol=1e-4)
+    np.testing.assert_allclose(metrics["tau_greedy"], np.mean(greedy_taus), rtol=1e-6)

@@ -84,7 +84,36 @@ def np_reference(draft, target, labels, mask, conf, cfg, d2t=None):
     tv = acc["tv_n"] / acc["tv_d"] if acc["tv_d"] else 0.0
     cf = acc["cf_n"] / acc["tv_d"] if acc["tv_d"] else 0.0
     loss = cfg.ce_weight * ce + cfg.tv_weight * tv + cfg.confidence_weight * cf
-    return dict(ce=ce, tv=tv, conf=cf, loss=loss, excluded=acc["excl"])
+    return dict(ce=ce, tv=tv, conf=cf, loss=loss, excluded=acc["excl"], **np_chains(draft, target, labels, mask, d2t))
+
+
+def np_chains(draft, target, labels, mask, d2t):
+    """Block by block: τ of speculative sampling (Σ_k Π c*) and of greedy drafting, which
+    stops at the first slot whose draft argmax is not the label; per-slot conditional hits."""
+    v = target.shape[-1]
+    taus, greedy_taus = [], []
+    reached, hits = np.zeros(draft.shape[-2]), np.zeros(draft.shape[-2])
+    for block in np.ndindex(*draft.shape[:-2]):
+        if not mask[block][0]:
+            continue
+        tau, chain, greedy, alive = 1.0, 1.0, 1.0, True
+        for s in range(draft.shape[-2]):
+            if not mask[block][s]:
+                break
+            p_d = np.zeros(v)
+            p_d[d2t] = np_softmax(draft[block][s])
+            chain *= np.minimum(p_d, np_softmax(target[block][s])).sum()
+            tau += chain
+            if alive:
+                reached[s] += 1
+                alive = d2t[np.argmax(draft[block][s])] == labels[block][s]
+                hits[s] += alive
+                greedy += alive
+        taus.append(tau)
+        greedy_taus.append(greedy)
+    with np.errstate(invalid="ignore"):
+        conditional = np.where(reached > 0, hits / np.maximum(reached, 1), 0.0)
+    return dict(tau_probabilistic=np.mean(taus), tau_greedy=np.mean(greedy_taus), greedy_conditional_accept=conditional)
 
 
 def run_losses(draft, target, labels, mask, conf, cfg, d2t=None):
@@ -207,13 +236,15 @@ def test_random_matches_numpy_reference(tv_half):
     b, a, g, v = 2, 3, 4, 5
     draft = rng.normal(size=(b, a, g, v)) * 2
     target = rng.normal(size=(b, a, g, v)) * 2
-    labels = rng.integers(0, v, size=(b, a, g))
+    # Most labels are the draft's argmax, so greedy chains run several slots.
+    labels = np.where(rng.random((b, a, g)) < 0.7, draft.argmax(-1), rng.integers(0, v, size=(b, a, g)))
     mask = np.asarray(supervision_mask(rng.random((b, a, g)) < 0.8))
     conf = rng.normal(size=(b, a, g))
     cfg = make_cfg(tv_half=tv_half, ce_weight=0.3, tv_weight=0.5, confidence_weight=0.7)
     _, (loss, m) = run_losses(draft, target, labels, mask, conf, cfg)
     ref = np_reference(draft, target, labels, mask, conf, cfg)
-    for key in ("ce", "tv", "conf", "loss"):
+    assert ref["tau_greedy"] > 1.5 and 0 < ref["greedy_conditional_accept"][1] < 1
+    for key in ("ce", "tv", "conf", "loss", "tau_probabilistic", "tau_greedy", "greedy_conditional_accept"):
         np.testing.assert_allclose(m[key], ref[key], rtol=2e-5, err_msg=key)
 
 
@@ -240,13 +271,15 @@ def test_reduced_vocab_scatter_and_ce_exclusion():
     d2t = rng.permutation(v)[:n]
     draft = rng.normal(size=(3, 3, n))
     target = rng.normal(size=(3, 3, v))
-    labels = rng.integers(0, v, size=(3, 3))
+    # Labels are target ids: the draft argmax's (through d2t) for most slots.
+    labels = np.where(rng.random((3, 3)) < 0.7, d2t[draft.argmax(-1)], rng.integers(0, v, size=(3, 3)))
     mask = np.ones((3, 3), bool)
     conf = rng.normal(size=(3, 3))
     cfg = make_cfg()
     _, (_, m) = run_losses(draft, target, labels, mask, conf, cfg, d2t)
     ref = np_reference(draft, target, labels, mask, conf, cfg, d2t)
-    for key in ("ce", "tv", "conf", "loss"):
+    assert ref["tau_greedy"] > 1.5
+    for key in ("ce", "tv", "conf", "loss", "tau_probabilistic", "tau_greedy", "greedy_conditional_accept"):
         np.testing.assert_allclose(m[key], ref[key], rtol=2e-5, err_msg=key)
     assert float(m["ce_excluded"]) == ref["excluded"] > 0
 

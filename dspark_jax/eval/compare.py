@@ -286,15 +286,26 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
     }
 
 
-def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, *,
-                       level: float = 0.9, draws: int = 4000, seed: int = 0, drafts_only: bool = False) -> list[float]:
+def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, **kwargs) -> list[float]:
+    """:func:`ratio_interval` of two decoders' benchmark runs (same keyword arguments)."""
+    accepted = {
+        domain: {name: [np.concatenate(r.speculative[name].accepted_per_round or [np.zeros(0, int)]) for r in runs]
+                 for name in (numerator, denominator)}
+        for domain, runs in runs_by_domain.items()
+    }
+    return ratio_interval(accepted, numerator, denominator, **kwargs)
+
+
+def ratio_interval(accepted_by_domain: dict[str, dict[str, Sequence[np.ndarray]]], numerator: str, denominator: str, *,
+                   level: float = 0.9, draws: int = 4000, seed: int = 0, drafts_only: bool = False) -> list[float]:
     """Percentile-bootstrap interval ``[low, high]`` of the macro τ ratio ``numerator / denominator``.
 
-    Each draw resamples every domain's prompts with replacement, the same prompts for both
-    decoders (they decoded the same prompts), and recomputes each domain's τ as the summaries do
-    (committed tokens / rounds, pooled over the prompts). Greedy τ is deterministic, so the
-    interval says how much the ratio depends on which prompts were drawn: the question a handful
-    of prompts per domain leaves open.
+    ``accepted_by_domain[domain][name]`` holds, per prompt, the drafts accepted in each round
+    (the same prompts, in the same order, for both decoders). Each draw resamples every domain's
+    prompts with replacement, the same prompts for both decoders, and recomputes each domain's τ
+    as the summaries do (committed tokens / rounds, pooled over the prompts). Greedy τ is
+    deterministic, so the interval says how much the ratio depends on which prompts were drawn:
+    the question a handful of prompts per domain leaves open.
 
     ``drafts_only`` takes the ratio of accepted drafts per round, ``τ − 1``, instead: the bonus
     token every round commits dilutes the τ ratio while acceptance is low (τ 1.5 vs 2.0 is a
@@ -305,10 +316,11 @@ def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str,
     rng = np.random.default_rng(seed)
     bonus = 0 if drafts_only else 1
     macro_tau = {numerator: np.zeros(draws), denominator: np.zeros(draws)}
-    for runs in runs_by_domain.values():
-        picks = rng.integers(0, len(runs), size=(draws, len(runs)))
+    for by_name in accepted_by_domain.values():
+        prompts = len(by_name[numerator])
+        picks = rng.integers(0, prompts, size=(draws, prompts))
         for name, total in macro_tau.items():
-            accepted = [np.concatenate(r.speculative[name].accepted_per_round or [np.zeros(0, int)]) for r in runs]
+            accepted = by_name[name]
             rounds = np.array([a.size for a in accepted])[picks].sum(axis=1)
             committed = np.array([(a + bonus).sum() for a in accepted])[picks].sum(axis=1)
             with np.errstate(invalid="ignore", divide="ignore"):

@@ -152,6 +152,8 @@ def block_losses(
       ``accept_num`` / ``slot_count``: ``[G]`` sums of ``c*·mask`` and ``mask`` (accept_rate@s);
       ``tau_num`` / ``blocks``: ``Σ`` over blocks with ≥1 supervised slot of
         ``1 + Σ_k Π_{i≤k} c*_i·mask_i`` (``tau_probabilistic``), and the number of such blocks;
+      ``greedy_prefix_num`` / ``greedy_reach_num``: ``[G]`` greedy-acceptance sums (see
+        :func:`acceptance_sums`);
       ``conf_abs_err_num`` / ``conf_bias_num`` / ``conf_cumprod_bias_num``: ``Σ mask·|σ(z)−c*|``,
         ``Σ mask·(σ(z)−c*)``, ``Σ mask·(Πσ(z) − Πc*)`` (normalise by ``supervised``); zero when
         there is no confidence head.
@@ -222,12 +224,8 @@ def block_losses(
         "tv_num": jnp.sum(w * tv),
         "tv_den": jnp.sum(w),
         "supervised": jnp.sum(m),
-        "accept_num": _sum_lead(c_star * m),
-        "slot_count": _sum_lead(m),
+        **acceptance_sums(c_star, draft_argmax_ids(draft_logits, d2t) == labels, m),
     }
-    block_valid = m[..., 0]  # cumulative mask: a block is supervised iff its slot 0 is
-    out["tau_num"] = jnp.sum(expected_tau(c_star * m) * block_valid)
-    out["blocks"] = jnp.sum(block_valid)
 
     if confidence_logits is None:
         zero = jnp.zeros((), jnp.float32)
@@ -248,6 +246,54 @@ def block_losses(
     return out
 
 
+def draft_argmax_ids(draft_logits: jnp.ndarray, d2t: jnp.ndarray | None) -> jnp.ndarray:
+    """The target id of each slot's most likely draft token: what a greedy drafter proposes."""
+    best = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    return best if d2t is None else d2t[best]
+
+
+def acceptance_sums(accept: jnp.ndarray, greedy_hit: jnp.ndarray, mask: jnp.ndarray) -> dict[str, jnp.ndarray]:
+    """Additive sums of the analytic acceptance metrics of blocks ``...xG`` (teacher-forced).
+
+    ``accept`` is each slot's speculative-sampling acceptance at T = 1, ``Σ min(p_d, p_t)``;
+    ``greedy_hit`` whether the draft's argmax is the label — greedy verification's acceptance
+    when the labels are the target's greedy answers (on sampled answers it scores agreement
+    with the sampled token); ``mask`` the cumulative supervision mask. Both chains stop at a
+    block's last supervised slot, and every τ is averaged over blocks whose slot 0 is supervised.
+
+    Returns ``accept_num`` / ``slot_count`` (``[G]``), ``tau_num`` / ``blocks``, and for greedy
+    acceptance ``greedy_prefix_num`` (``[G]``: blocks whose slots ``0…k`` all hit) and
+    ``greedy_reach_num`` (``[G]``: blocks that reach slot ``k`` with ``0…k−1`` all hit).
+    """
+    m = (jnp.asarray(mask) != 0).astype(jnp.float32)
+    block_valid = m[..., 0]  # cumulative mask: a block is supervised iff its slot 0 is
+    prefix = jnp.cumprod(greedy_hit.astype(jnp.float32) * m, axis=-1)
+    reached = m * jnp.concatenate([jnp.ones_like(prefix[..., :1]), prefix[..., :-1]], axis=-1)
+    return {
+        "accept_num": _sum_lead(accept * m),
+        "slot_count": _sum_lead(m),
+        "tau_num": jnp.sum(expected_tau(accept * m) * block_valid),
+        "blocks": jnp.sum(block_valid),
+        "greedy_prefix_num": _sum_lead(prefix),
+        "greedy_reach_num": _sum_lead(reached),
+    }
+
+
+def acceptance_metrics(parts: dict[str, jnp.ndarray]) -> dict[str, jnp.ndarray]:
+    """Means of :func:`acceptance_sums` (possibly summed over chunks / devices first):
+    ``accept_rate`` (``[G]``, mean ``Σ min(p_d, p_t)`` per slot), ``tau_probabilistic``,
+    ``tau_greedy`` (``1 + Σ_k P(slots 0…k all hit)``: the teacher-forced τ of greedy decoding) and
+    ``greedy_conditional_accept`` (``[G]``: slot k hits given slots before it did, the metric
+    ``bench_speculative.py`` reports per position)."""
+    blocks = parts["blocks"]
+    return {
+        "accept_rate": _safe_div(parts["accept_num"], parts["slot_count"]),
+        "tau_probabilistic": _safe_div(parts["tau_num"], blocks),
+        "tau_greedy": _safe_div(blocks + jnp.sum(parts["greedy_prefix_num"]), blocks),
+        "greedy_conditional_accept": _safe_div(parts["greedy_prefix_num"], parts["greedy_reach_num"]),
+    }
+
+
 def _safe_div(num: jnp.ndarray, den: jnp.ndarray) -> jnp.ndarray:
     """``num / den``, and 0 (with a zero, finite gradient) where ``den == 0``."""
     ok = den > 0
@@ -258,8 +304,8 @@ def combine(parts: dict[str, jnp.ndarray], cfg: Any) -> tuple[jnp.ndarray, dict[
     """``loss = α_ce·CE + α_tv·TV + α_conf·BCE`` with every term ``Σw·ℓ / Σw`` (§4.5).
 
     ``parts`` is :func:`block_losses`' dict, possibly summed over chunks / devices first.
-    Returns ``(loss, metrics)``; metrics hold the per-term means, ``accept_rate`` (``[G]``, mean
-    ``c*`` per slot), ``tau_probabilistic`` and the counts. Every division is guarded (0, not NaN).
+    Returns ``(loss, metrics)``; metrics hold the per-term means, :func:`acceptance_metrics`
+    and the counts. Every division is guarded (0, not NaN).
     """
     terms = {t: _safe_div(parts[f"{t}_num"], parts[f"{t}_den"]) for t in TERMS}
     loss = (
@@ -273,8 +319,7 @@ def combine(parts: dict[str, jnp.ndarray], cfg: Any) -> tuple[jnp.ndarray, dict[
         "ce": terms["ce"],
         "tv": terms["tv"],
         "conf": terms["conf"],
-        "accept_rate": _safe_div(parts["accept_num"], parts["slot_count"]),
-        "tau_probabilistic": _safe_div(parts["tau_num"], parts["blocks"]),
+        **acceptance_metrics(parts),
         "confidence_abs_error": _safe_div(parts["conf_abs_err_num"], sup),
         "confidence_bias": _safe_div(parts["conf_bias_num"], sup),
         "confidence_cumprod_bias": _safe_div(parts["conf_cumprod_bias_num"], sup),
@@ -355,6 +400,21 @@ class TrainBatch(NamedTuple):
     target_lse_BxS: jnp.ndarray | None = None
 
 
+def _teacher_forced_blocks(drafter, embed_VxD, batch: TrainBatch):
+    """A block drafter's backbone output at the batch's anchors and what its slots are scored
+    on: ``(h [B, A, G, d], labels [B, A, G], mask [B, A, G], Markov inputs [B, A, G])`` — slot
+    s's Markov input is the anchor token (s = 0) or the label before it (teacher forcing)."""
+    anchor_tokens = jnp.take_along_axis(batch.input_ids_BxS, batch.anchors_BxA, axis=1)
+    h = drafter.backbone.forward_train(
+        embed_VxD, batch.features_BxSxF, batch.anchors_BxA, anchor_tokens, batch.keep_BxA
+    )
+    gamma = drafter.cfg.block_size
+    labels = block_labels(batch.input_ids_BxS, batch.anchors_BxA, gamma)
+    mask = block_label_mask(batch.loss_mask_BxS, batch.anchors_BxA, batch.keep_BxA, gamma)
+    prev = jnp.concatenate([anchor_tokens[..., None], labels[..., :-1]], axis=-1)
+    return h, labels, mask, prev
+
+
 def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_size: int):
     """``(loss, metrics)`` of a DSpark/DFlash drafter on one batch (spec §4).
 
@@ -364,13 +424,7 @@ def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_si
     """
     cfg = drafter.cfg
     gamma = cfg.block_size
-    anchor_tokens = jnp.take_along_axis(batch.input_ids_BxS, batch.anchors_BxA, axis=1)
-    h = drafter.backbone.forward_train(
-        embed_VxD, batch.features_BxSxF, batch.anchors_BxA, anchor_tokens, batch.keep_BxA
-    )
-    labels = block_labels(batch.input_ids_BxS, batch.anchors_BxA, gamma)
-    mask = block_label_mask(batch.loss_mask_BxS, batch.anchors_BxA, batch.keep_BxA, gamma)
-    prev = jnp.concatenate([anchor_tokens[..., None], labels[..., :-1]], axis=-1)
+    h, labels, mask, prev = _teacher_forced_blocks(drafter, embed_VxD, batch)
     # The target distribution for label index a+s+1 comes from its hidden state at a+s.
     source = batch.anchors_BxA[..., None] + jnp.arange(gamma)
     target_hidden = _gather_along_seq(batch.target_hidden_BxSxD, source)
@@ -397,6 +451,22 @@ def drafter_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch, *, chunk_si
 
 
 
+def _ttt_step(drafter, lm_head_VxD, hidden_BxSxD, batch: TrainBatch, k: int):
+    """EAGLE-3 TTT step k at the batch's anchors: ``(draft log-probs [B, A, N], label ids
+    [B, A], supervised [B, A])``. Anchor a reads index ``a − 1`` and predicts token ``a + 1 + k``."""
+    seq = batch.input_ids_BxS.shape[1]
+    label = batch.anchors_BxA + 1 + k
+    label_at = jnp.clip(label, 0, seq - 1)
+    # Anchor 0 has no TTT index before it (a prompt precedes every response in practice).
+    valid = batch.keep_BxA & (batch.anchors_BxA >= 1) & (label < seq) & (
+        jnp.take_along_axis(batch.loss_mask_BxS, label_at, axis=1) > 0
+    )
+    index_BxA = jnp.clip(batch.anchors_BxA - 1, 0, seq - 1)
+    h_BxAxD = _gather_along_seq(hidden_BxSxD, index_BxA[..., None])[:, :, 0]
+    log_q = jax.nn.log_softmax(drafter.logits(h_BxAxD, lm_head_VxD), axis=-1)
+    return log_q, jnp.take_along_axis(batch.input_ids_BxS, label_at, axis=1), valid
+
+
 def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     """``(loss, metrics)`` of the EAGLE-3 baseline: training-time test over γ steps (spec §8.2).
 
@@ -420,7 +490,6 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     frozen_head = jax.lax.stop_gradient(lm_head_VxD)
     d2t = drafter.d2t_N
     in_vocab_head = frozen_head if d2t is None else frozen_head[d2t]
-    index_BxA = jnp.clip(batch.anchors_BxA - 1, 0, seq - 1)
     kept = batch.keep_BxA.sum()
 
     def target_probs(source_BxA):
@@ -435,34 +504,47 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
 
     @jax.checkpoint
     def step_terms(hidden_BxSxD, k):
-        label = batch.anchors_BxA + 1 + k
-        # Anchor 0 has no TTT index before it (a prompt precedes every response in practice).
-        valid = batch.keep_BxA & (batch.anchors_BxA >= 1) & (label < seq) & (
-            jnp.take_along_axis(batch.loss_mask_BxS, jnp.clip(label, 0, seq - 1), axis=1) > 0
-        )
+        log_q, labels, valid = _ttt_step(drafter, lm_head_VxD, hidden_BxSxD, batch, k)
         p_t = target_probs(jnp.clip(batch.anchors_BxA + k, 0, seq - 1))
-        h_BxAxD = _gather_along_seq(hidden_BxSxD, index_BxA[..., None])[:, :, 0]
-        log_q = jax.nn.log_softmax(drafter.logits(h_BxAxD, lm_head_VxD), axis=-1)
         soft_ce = -(p_t * log_q).sum(-1)
         accept = jnp.minimum(p_t, jnp.exp(log_q)).sum(-1)
-        return (
-            _safe_div(jnp.where(valid, soft_ce, 0.0).sum(), kept),
-            jnp.where(valid, accept, 0.0).sum(),
-            valid.sum(),
-        )
+        hit = draft_argmax_ids(log_q, d2t) == labels
+        return _safe_div(jnp.where(valid, soft_ce, 0.0).sum(), kept), accept, hit, valid
 
     loss = 0.0
-    step_losses, accept_rates = [], []
+    step_losses, accepts, hits, valids = [], [], [], []
     for k in range(hidden.shape[0]):
-        step_loss, accept_sum, count = step_terms(hidden[k], k)
+        step_loss, accept, hit, valid = step_terms(hidden[k], k)
         loss = loss + cfg.ttt_step_decay**k * step_loss
         step_losses.append(step_loss)
-        accept_rates.append(_safe_div(accept_sum, count))
-    accept = jnp.stack(accept_rates)
-    metrics = {
-        "loss": loss,
-        "step_loss": jnp.stack(step_losses),
-        "accept_rate": accept,
-        "tau_probabilistic": expected_tau(accept),
-    }
+        accepts.append(accept)
+        hits.append(hit)
+        valids.append(valid)
+    # Anchor a's TTT steps form a block like a DSpark block at a, scored by the same metrics.
+    parts = acceptance_sums(jnp.stack(accepts, -1), jnp.stack(hits, -1), supervision_mask(jnp.stack(valids, -1)))
+    metrics = {"loss": loss, "step_loss": jnp.stack(step_losses), **acceptance_metrics(parts)}
     return loss, metrics
+
+
+def greedy_chains(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch) -> jnp.ndarray:
+    """``[B, A]`` int32: how many leading slots of the block at each anchor a greedy drafter
+    gets right, teacher-forced (each slot drafted after the true tokens before it).
+
+    On the target's greedy answer these are exactly the drafts greedy verification accepts in a
+    round that starts at that anchor, so replaying rounds over them reproduces greedy decoding
+    (``dspark_jax/eval/replay.py``). Works for block drafters and EAGLE-3 alike.
+    """
+    head = jax.lax.stop_gradient(lm_head_VxD)
+    if drafter.cfg.kind == "eagle3":
+        hidden = drafter.forward_train(embed_VxD, batch.features_BxSxF, batch.input_ids_BxS)
+        hits, valids = [], []
+        for k in range(hidden.shape[0]):
+            log_q, labels, valid = _ttt_step(drafter, head, hidden[k], batch, k)
+            hits.append(draft_argmax_ids(log_q, drafter.d2t_N) == labels)
+            valids.append(valid)
+        hit, mask = jnp.stack(hits, -1), supervision_mask(jnp.stack(valids, -1))
+    else:
+        h, labels, mask, prev = _teacher_forced_blocks(drafter, embed_VxD, batch)
+        draft_logits, _ = drafter.teacher_forced(h, head, prev)
+        hit = draft_argmax_ids(draft_logits, drafter.d2t_N) == labels
+    return jnp.sum(jnp.cumprod((hit & mask).astype(jnp.int32), axis=-1), axis=-1)

@@ -321,14 +321,21 @@ def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformat
 
 
 def mean_metrics(score, config: TrainConfig, sequences: list[CachedSequence]) -> dict:
-    """τ, per-slot acceptance and loss of ``score`` (batch -> the objective's metrics, jitted),
-    averaged over whole batches of ``sequences`` drawn like training's first epoch."""
+    """τ (``tau_probabilistic``), greedy τ, per-slot acceptance and loss of ``score`` (batch ->
+    the objective's metrics, jitted), averaged over whole batches of ``sequences`` drawn like
+    training's first epoch."""
     source = BatchSource(sequences, config)
     metrics = [jax.device_get(score(source.batch(step))) for step in range(source.steps_per_epoch)]
+
+    def mean(key):
+        return np.mean([m[key] for m in metrics], axis=0)
+
     return {
-        "tau": float(np.mean([m["tau_probabilistic"] for m in metrics])),
-        "loss": float(np.mean([m["loss"] for m in metrics])),
-        "accept_rate": np.mean([m["accept_rate"] for m in metrics], axis=0).round(4).tolist(),
+        "tau": float(mean("tau_probabilistic")),
+        "tau_greedy": float(mean("tau_greedy")),
+        "loss": float(mean("loss")),
+        "accept_rate": mean("accept_rate").round(4).tolist(),
+        "greedy_conditional_accept": mean("greedy_conditional_accept").round(4).tolist(),
         "sequences": source.steps_per_epoch * config.batch_size,
     }
 
@@ -553,7 +560,7 @@ def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: i
             if heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
                 scored = mean_metrics(lambda b, params=params: score(params, rest, jax.device_put(b, by_row), embed, head),
                                       config, heldout)
-                record.update(heldout_tau=scored["tau"], heldout_loss=scored["loss"])
+                record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"], heldout_loss=scored["loss"])
             log.write(json.dumps(record) + "\n")
             log.flush()
             bar.update(1)

@@ -1,0 +1,108 @@
+"""Greedy speculative decoding replayed from a target cache of greedy answers.
+
+Greedy verification accepts draft slot k iff it and every slot before it equal the target's
+argmax, and greedy decoding commits exactly the target's greedy answer. So on a cached greedy
+answer the rounds of a real decode are fixed by each anchor's teacher-forced greedy chain
+(``training.losses.greedy_chains``: how many leading slots the drafter gets right there):
+
+- the prefill commits the answer's first token; the first round's anchor is that token;
+- a round at anchor ``a`` accepts ``chain[a]`` drafts and commits them and the target's next
+  token, and the next round's anchor is the last token it committed;
+- decoding ends once ``max_new_tokens`` are committed, or with the answer's stop token.
+
+This is the fixed-width policy (every round verifies all γ slots), which is what
+``scripts/bench_speculative.py`` runs by default; it gives the same τ and per-position
+acceptance as decoding without running the target (about 0.4 s a prompt and drafter on 2 CPU
+cores). The cache's features are bfloat16 where decoding's are float32, so a draft whose top two
+logits nearly tie can go the other way; the agreement is measured in ``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dspark_jax.eval.metrics import per_position_acceptance
+from dspark_jax.training.losses import TrainBatch
+from dspark_jax.training.target_cache import CachedSequence
+from dspark_jax.training.train import anchor_candidates
+
+PAD_TO = 64  # sequences are padded to a multiple of this
+
+
+def replay_rounds(chain_S: np.ndarray, loss_mask_S: np.ndarray, *, finished: bool, max_new_tokens: int) -> np.ndarray:
+    """Drafts accepted in each round of greedy decoding along one cached greedy answer.
+
+    ``chain_S[a]`` is the greedy chain of the block anchored at position ``a`` (only response
+    positions are read); ``loss_mask_S`` marks the answer; ``finished`` says whether the answer
+    ends with a stop token (decoding stops there) rather than at the cache's length cap (then it
+    must hold ``max_new_tokens`` tokens).
+    """
+    response = np.flatnonzero(np.asarray(loss_mask_S) != 0)
+    if response.size == 0:
+        raise ValueError("the sequence has no answer tokens")
+    first, end = int(response[0]), int(response[-1]) + 1
+    if not finished and end - first < max_new_tokens:
+        raise ValueError(f"the cached answer has {end - first} tokens and no stop token: it cannot replay "
+                         f"{max_new_tokens} new tokens (answer with a larger cap, or replay fewer)")
+    accepted = []
+    committed, anchor = 1, first  # the prefill's token
+    while committed < max_new_tokens and anchor + 1 < end:
+        drafts = int(chain_S[anchor])
+        accepted.append(drafts)
+        # The round's drafts and the target's token after them, or up to the stop token.
+        step = min(drafts + 1, end - 1 - anchor)
+        committed, anchor = committed + step, anchor + step
+    return np.asarray(accepted, np.int64)
+
+
+def anchor_batch(seq: CachedSequence, seq_len: int, num_anchors: int) -> TrainBatch:
+    """One sequence as a batch of one, padded to ``seq_len``, with its first ``num_anchors``
+    response anchors (a replay of N new tokens starts rounds at the first N at most)."""
+    n = len(seq.input_ids)
+    if n > seq_len:
+        raise ValueError(f"sequence {seq.name} has {n} tokens, more than seq_len {seq_len}")
+
+    def padded(x, dtype=None):
+        out = np.zeros((1, seq_len, *np.shape(x)[1:]), dtype or np.asarray(x).dtype)
+        out[0, :n] = x
+        return out
+
+    candidates = anchor_candidates(seq.loss_mask)[:num_anchors]
+    anchors = np.zeros((1, num_anchors), np.int32)
+    keep = np.zeros((1, num_anchors), bool)
+    anchors[0, : candidates.size], keep[0, : candidates.size] = candidates, True
+    return TrainBatch(padded(seq.input_ids, np.int32), padded(seq.loss_mask), padded(seq.features),
+                      padded(seq.hidden), anchors, keep, padded(seq.lse, np.float32))
+
+
+def replay_sequences(chains: Callable[[TrainBatch], np.ndarray], sequences: Sequence[CachedSequence], *,
+                     max_new_tokens: int, stop_ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """Replay greedy decoding of ``max_new_tokens`` along every sequence (greedy answers):
+    ``{name: drafts accepted per round}``. ``chains`` maps a batch to its ``[1, A]`` greedy
+    chains (``greedy_chains`` of one drafter, jitted)."""
+    stops = {int(s) for s in stop_ids}
+    # One padded length for the whole set, so ``chains`` compiles once.
+    seq_len = PAD_TO * -(-max((len(s.input_ids) for s in sequences), default=1) // PAD_TO)
+    accepted = {}
+    for seq in sequences:
+        batch = anchor_batch(seq, seq_len, max_new_tokens)
+        keep = batch.keep_BxA[0]
+        chain_S = np.zeros(seq_len, np.int64)
+        chain_S[batch.anchors_BxA[0][keep]] = np.asarray(chains(batch))[0][keep]
+        accepted[seq.name] = replay_rounds(chain_S, seq.loss_mask, finished=int(seq.input_ids[-1]) in stops,
+                                           max_new_tokens=max_new_tokens)
+    return accepted
+
+
+def replay_summary(accepted: dict[str, np.ndarray], gamma: int) -> dict:
+    """What the benchmark reports of a set of prompts' rounds: ``tau`` (``mean(accepted + 1)``
+    over all rounds, bonus included), ``per_position_acceptance``, ``rounds`` and ``per_sequence`` τ."""
+    pooled = np.concatenate(list(accepted.values())) if accepted else np.zeros(0, np.int64)
+    return {
+        "tau": float(np.mean(pooled + 1)) if pooled.size else float("nan"),
+        "per_position_acceptance": per_position_acceptance(pooled, np.full(pooled.shape, gamma), gamma).tolist(),
+        "rounds": int(pooled.size),
+        "per_sequence": {name: float(np.mean(a + 1)) if a.size else None for name, a in accepted.items()},
+    }
