@@ -136,26 +136,29 @@ def domain_of(prompt_id: str) -> str:
     return prompt_id.split("-")[0]
 
 
+def by_domain(items: dict) -> dict:
+    """``{name: value}`` grouped as ``{domain: {name: value}}``, domains sorted."""
+    groups = {}
+    for name, value in items.items():
+        groups.setdefault(domain_of(name), {})[name] = value
+    return dict(sorted(groups.items()))
+
+
 def domain_metrics(score, config, sequences) -> dict:
     """``mean_metrics`` per domain that fills at least one batch."""
     from dspark_jax.training.train import mean_metrics
 
-    subsets = {}
-    for seq in sequences:
-        subsets.setdefault(domain_of(seq.name), []).append(seq)
-    return {d: mean_metrics(score, config, subsets[d]) for d in sorted(subsets) if len(subsets[d]) >= config.batch_size}
+    subsets = by_domain({seq.name: seq for seq in sequences})
+    return {d: mean_metrics(score, config, list(s.values())) for d, s in subsets.items() if len(s) >= config.batch_size}
 
 
 def replay_by_domain(chains, sequences, *, gamma: int, max_new_tokens: int, stop_ids):
-    """Greedy decoding replayed per domain: (the benchmark's summary per domain and its macro τ,
-    ``{domain: {name: drafts accepted per round}}`` for the ratio intervals)."""
+    """Greedy decoding replayed along every answer (one pass, one compile), summarised per domain:
+    (the benchmark's summary per domain and its macro τ, ``{domain: {name: drafts accepted per
+    round}}`` for the ratio intervals)."""
     from dspark_jax.eval.replay import replay_sequences, replay_summary
 
-    subsets = {}
-    for seq in sequences:
-        subsets.setdefault(domain_of(seq.name), []).append(seq)
-    accepted = {d: replay_sequences(chains, subsets[d], max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-                for d in sorted(subsets)}
+    accepted = by_domain(replay_sequences(chains, sequences, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
     domains = {d: replay_summary(a, gamma) for d, a in accepted.items()}
     return {"tau": sum(r["tau"] for r in domains.values()) / len(domains), "domains": domains}, accepted
 
