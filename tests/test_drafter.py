@@ -140,6 +140,26 @@ def test_a_widened_markov_head_scores_as_before_and_trains_its_new_columns():
         make(reduced=True, markov_head="gated")[1].widened_markov(16)
 
 
+def test_a_gated_markov_head_from_a_vanilla_one_scores_as_before_and_trains_its_gate():
+    cfg, drafter = make(reduced=True, markov_w1_rows="draft")
+    embed = head()
+    drafter.init_draft_head(embed)
+    gated = drafter.gated_markov()
+    assert gated.cfg.markov_head == "gated" and drafter.cfg.markov_head == "vanilla"
+    data = batch(cfg)
+    loss, metrics, _ = loss_and_grads(drafter, embed, data)
+    gated_loss, gated_metrics, (grads, *_) = loss_and_grads(gated, embed, data)
+    # ½ and 2 are powers of two: the same bias, bit for bit.
+    assert float(gated_loss) == float(loss)
+    for name in metrics:
+        np.testing.assert_array_equal(gated_metrics[name], metrics[name], err_msg=name)
+    # The gate's weights see h and W1[x] from the first step on.
+    assert np.abs(np.asarray(grads["markov"]["gate"]["weight"][...])[:, :cfg.hidden_size]).max() > 0
+    np.testing.assert_array_equal(gated.markov.w1[...], drafter.markov.w1[...])
+    with pytest.raises(ValueError, match="only a vanilla Markov head"):
+        gated.gated_markov()
+
+
 def test_draft_w1_rows_give_each_draft_token_its_row_and_share_one_for_the_rest():
     cfg, drafter = make(reduced=True)
     embed = head()

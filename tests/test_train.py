@@ -313,15 +313,17 @@ def test_init_from_a_shallower_drafter_appends_identity_layers(tmp_path, tiny_ru
     assert b[1] != a[1]
 
 
-def test_init_from_a_narrower_markov_head_widens_it(tmp_path, tiny_run, tiny_parts):
+def test_init_from_a_narrower_vanilla_markov_head_widens_and_gates_it(tmp_path, tiny_run, tiny_parts):
     config, target, sequences = tiny_parts
     same = dataclasses.replace(config, out_dir=str(tmp_path / "same"), steps=2, init_from=tiny_run / "drafter")
     wider = dataclasses.replace(same, out_dir=str(tmp_path / "wider"),
-                                drafter={**config.drafter, "markov_rank": 2 * config.drafter["markov_rank"]})
+                                drafter={**config.drafter, "markov_rank": 2 * config.drafter["markov_rank"],
+                                         "markov_head": "gated"})
     train(same, target, sequences, progress=False)
     grown = train(wider, target, sequences, progress=False)
-    assert grown.cfg.markov_rank == 2 * config.drafter["markov_rank"]
-    # Step 0 scores the warm-started drafter before any update: the new columns add nothing.
+    assert grown.cfg.markov_rank == 2 * config.drafter["markov_rank"] and grown.cfg.markov_head == "gated"
+    # Step 0 scores the warm-started drafter before any update: the new columns add nothing, and
+    # the gate starts at ½ everywhere against a doubled W2.
     a, b = losses(tmp_path / "same"), losses(tmp_path / "wider")
     np.testing.assert_allclose(b[0], a[0], rtol=1e-6)
     assert b[1] != a[1]
@@ -340,7 +342,7 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
         same_legs(second, dict(kind="dflash", num_layers=1, mask_token_id=0, block_size=4), ("tiny", "flash"))
     # The shipped DFlash baseline has the shipped DSpark drafter's depth in every leg.
     dspark, dflash = (load_config(REPO / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash"))
-    assert len(dspark.legs) == len(dflash.legs) == 8
+    assert len(dspark.legs) == len(dflash.legs) == 9
     for spark_leg, flash_leg in zip(dspark.legs, dflash.legs):
         assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
 

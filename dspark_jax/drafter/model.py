@@ -184,6 +184,27 @@ class Drafter(ReducedHeadMixin, nnx.Module):
             layer.mlp.down.weight[...] = jnp.zeros_like(layer.mlp.down.weight[...])
         return deeper
 
+    def gated_markov(self) -> Drafter:
+        """This drafter with its vanilla Markov head turned into a gated one (spec §2.2), all else kept.
+
+        The gate starts with zero weights and bias, so it is σ(0) = ½ for every input, and ``W2``
+        is doubled: ``2·W2 (½ ⊙ W1[x]) = W2 W1[x]`` exactly (both factors are powers of two), so
+        the drafter drafts and scores exactly as before until training moves the gate. Its
+        gradient is not zero at the start, so the first step already makes it depend on ``h``.
+        """
+        old = self.markov
+        if old is None or old.kind != "vanilla":
+            raise ValueError("only a vanilla Markov head can be turned into a gated one")
+        cfg = dataclasses.replace(self.cfg, markov_head="gated")
+        dtype = self.backbone.fc.weight[...].dtype
+        gated = Drafter(cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                        draft_vocab_ids=None if self.draft_head is None else np.asarray(self.d2t_N))
+        nnx.update(gated, nnx.state(self))  # every variable but the new gate
+        gated.markov.gate.weight[...] = jnp.zeros_like(gated.markov.gate.weight[...])
+        gated.markov.gate.bias[...] = jnp.zeros_like(gated.markov.gate.bias[...])
+        gated.markov.w2.weight[...] = 2 * old.w2.weight[...]
+        return gated
+
     def widened_markov(self, rank: int, *, w1_rows: str | None = None, seed: int = 0) -> Drafter:
         """This drafter with a wider vanilla Markov head (and ``W1`` rows ``w1_rows``), all else kept.
 

@@ -488,17 +488,20 @@ def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, see
     """The exported drafter at ``directory``, refused unless it is the drafter ``cfg`` describes
     (its reduced vocabulary comes with it), or the same block drafter grown: fewer layers get
     identity layers appended (``Drafter.deepened``), a narrower vanilla Markov head is widened
-    (``Drafter.widened_markov``); both function-preserving, seeded by ``seed``."""
+    (``Drafter.widened_markov``), a vanilla head becomes a gated one (``Drafter.gated_markov``);
+    all function-preserving, seeded by ``seed``."""
     if not (directory / CONFIG_FILE).exists():
         raise FileNotFoundError(f"init_from: no exported drafter at {directory} (train that run first)")
     drafter = load_drafter(directory, target=target)
     have = drafter.cfg
     if have.kind == cfg.kind != "eagle3" and cfg.backbone.num_layers > have.backbone.num_layers:
         drafter = drafter.deepened(cfg.backbone.num_layers, seed=seed)
-    if (have.kind == cfg.kind == "dspark" and have.markov_head == cfg.markov_head == "vanilla"
+    if (have.kind == cfg.kind == "dspark" and have.markov_head == "vanilla" and cfg.markov_head in ("vanilla", "gated")
             and cfg.markov_rank >= have.markov_rank and have.markov_w1_rows in ("target", cfg.markov_w1_rows)
             and (cfg.markov_rank, cfg.markov_w1_rows) != (have.markov_rank, have.markov_w1_rows)):
         drafter = drafter.widened_markov(cfg.markov_rank, w1_rows=cfg.markov_w1_rows, seed=seed)
+    if have.kind == cfg.kind == "dspark" and (have.markov_head, cfg.markov_head) == ("vanilla", "gated"):
+        drafter = drafter.gated_markov()
     if drafter.cfg != cfg:
         differ = sorted(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(drafter.cfg, f.name))
         differ += [f"backbone.{f.name}" for f in dataclasses.fields(cfg.backbone)
