@@ -117,7 +117,7 @@ def test_block_bias_equals_step_loop(kind):
     assert state.shape == (2, 3, R)
     steps = []
     for s in range(GAMMA):
-        bias, state = head.step(state, h[..., s, :], prev[..., s])
+        bias, state = head.step(state, head.slot_inputs(h[..., s, :]), prev[..., s])
         steps.append(bias)
     np.testing.assert_allclose(np.asarray(block), np.stack(steps, axis=-2), rtol=1e-5, atol=1e-6)
     assert float(jnp.std(block)) > 0.1  # not trivially zero

@@ -13,10 +13,14 @@ Shapes and vocabularies:
   ``gate_proj [r, d+r] + [r]``, ``joint_proj [3r, 2r+d] + [3r]``, ``confidence proj [1, d(+r)] (+ [1])``.
   Initialisation is HF's ``_init_weights``: weights ~ N(0, 0.02), biases 0 (spec §1.1).
 
-The three Markov heads share one recurrence interface: ``_features(state, h, e_prev)`` returns the
+The three Markov heads share one recurrence interface: ``_features(state, hx, prev)`` returns the
 r-wide vector that ``W2`` maps to the bias, plus the next state (vanilla and gated pass the state
-through untouched). Training uses :meth:`MarkovHead.block_bias` (teacher forcing), sampling uses
-:meth:`MarkovHead.step` inside :func:`sample_block`; both run the same ``_features``.
+through untouched). ``hx`` is :meth:`MarkovHead.slot_inputs`: the ``h_k`` half of the gate's or
+``J``'s pre-activation, computed for every slot before the chain is drawn, because only the
+``W1[x_{k-1}]`` (and state) half depends on the drawn tokens; the sequential loop then multiplies
+``r`` columns instead of ``d + r`` (gated) or ``2r + d`` (RNN). Training uses
+:meth:`MarkovHead.block_bias` (teacher forcing), sampling uses :meth:`MarkovHead.step` inside
+:func:`sample_block`; both run the same ``slot_inputs`` and ``_features``.
 """
 
 from __future__ import annotations
@@ -96,16 +100,27 @@ class MarkovHead(nnx.Module):
         """``W1[x]`` for target ids of any shape: ``[...] -> [..., r]``."""
         return jnp.take(self.w1[...], self.w1_rows(prev_tokens), axis=0)
 
-    def _features(self, state, h, prev):
-        """One step before ``W2``: returns (``u [..., r]``, next state)."""
+    def slot_inputs(self, h_xd: jax.Array | None) -> jax.Array | None:
+        """The part of each step's pre-activation that ``h_k`` alone decides, bias included:
+        ``W_g[:, :d] h + b_g`` (gated, ``[..., r]``) or ``J[:, 2r:] h + b_J`` (RNN, ``[..., 3r]``);
+        ``None`` for vanilla, which does not read ``h``. Any leading shape (one slot or a block)."""
+        if self.kind == "vanilla":
+            return None
+        proj = self.gate if self.kind == "gated" else self.joint
+        weight = proj.weight[...]
+        h_columns = weight[:, : h_xd.shape[-1]] if self.kind == "gated" else weight[:, 2 * self.rank :]
+        return project(h_xd.astype(weight.dtype), h_columns) + proj.bias[...]
+
+    def _features(self, state, hx, prev):
+        """One step before ``W2`` from its slot inputs ``hx``: returns (``u [..., r]``, next state)."""
         e = self.embed(prev)
         if self.kind == "vanilla":
             return e, state
         if self.kind == "gated":
-            g = jax.nn.sigmoid(self.gate(jnp.concatenate([h.astype(e.dtype), e], axis=-1)))
+            g = jax.nn.sigmoid(hx + project(e, self.gate.weight[...][:, -self.rank :]))
             return g * e, state
-        z = jnp.concatenate([state.astype(e.dtype), e, h.astype(e.dtype)], axis=-1)
-        g_raw, c_raw, o_raw = jnp.split(self.joint(z), 3, axis=-1)
+        z = jnp.concatenate([state.astype(e.dtype), e], axis=-1)
+        g_raw, c_raw, o_raw = jnp.split(hx + project(z, self.joint.weight[...][:, : 2 * self.rank]), 3, axis=-1)
         gate = jax.nn.sigmoid(g_raw)
         new_state = gate * state + (1.0 - gate) * jnp.tanh(c_raw)
         return jnp.tanh(o_raw), new_state.astype(state.dtype)
@@ -114,9 +129,9 @@ class MarkovHead(nnx.Module):
         """``s_0 = 0`` of shape ``batch_shape + (r,)`` (carried unchanged by vanilla/gated)."""
         return jnp.zeros((*tuple(batch_shape), self.rank), self.w1[...].dtype)
 
-    def step(self, state: jax.Array, h_Bxd: jax.Array | None, prev_B: jax.Array):
-        """One sampling step: ``(bias [..., N], next state)``. ``h`` is unused by vanilla."""
-        u, new_state = self._features(state, h_Bxd, prev_B)
+    def step(self, state: jax.Array, hx_Bx: jax.Array | None, prev_B: jax.Array):
+        """One sampling step from the slot's :meth:`slot_inputs`: ``(bias [..., N], next state)``."""
+        u, new_state = self._features(state, hx_Bx, prev_B)
         return self.w2(u), new_state
 
     def block_bias(self, h_xGxd: jax.Array | None, prev_tokens_xG: jax.Array) -> jax.Array:
@@ -126,17 +141,18 @@ class MarkovHead(nnx.Module):
         ``s`` (target ids). The RNN is unrolled over G with its state carried; ``W2`` is applied
         once to all slots.
         """
+        hx = self.slot_inputs(h_xGxd)
         if self.kind != "rnn":
-            u, _ = self._features(None, h_xGxd, prev_tokens_xG)
+            u, _ = self._features(None, hx, prev_tokens_xG)
             return self.w2(u)
 
         def body(state, xs):
-            h_s, prev_s = xs
-            u, state = self._features(state, h_s, prev_s)
+            hx_s, prev_s = xs
+            u, state = self._features(state, hx_s, prev_s)
             return state, u
 
         state0 = self.init_state(prev_tokens_xG.shape[:-1])
-        xs = (jnp.moveaxis(h_xGxd, -2, 0), jnp.moveaxis(prev_tokens_xG, -1, 0))
+        xs = (jnp.moveaxis(hx, -2, 0), jnp.moveaxis(prev_tokens_xG, -1, 0))
         _, u_Gx = jax.lax.scan(body, state0, xs)
         return self.w2(jnp.moveaxis(u_Gx, 0, -2))
 
@@ -231,10 +247,10 @@ def sample_block(
 
     def body(carry, xs):
         prev_B, state = carry
-        logits_BxN, h_Bxd, keys_B = xs
+        logits_BxN, hx_Bx, keys_B = xs
         logits_BxN = logits_BxN.astype(jnp.float32)
         if markov_head is not None:
-            bias_BxN, state = markov_head.step(state, h_Bxd, prev_B)
+            bias_BxN, state = markov_head.step(state, hx_Bx, prev_B)
             logits_BxN = logits_BxN + bias_BxN.astype(jnp.float32)
         idx_B = sample(logits_BxN, params, keys_B)
         q_BxN = probabilities(logits_BxN, params)
@@ -243,8 +259,10 @@ def sample_block(
 
     state0 = (markov_head.init_state((batch,)) if markov_head is not None
               else jnp.zeros((batch, 0), jnp.float32))
-    h_GxBxd = None if h_BxGxd is None else jnp.moveaxis(h_BxGxd, 1, 0)
-    xs = (jnp.moveaxis(base_logits_BxGxN, 1, 0), h_GxBxd, jnp.moveaxis(keys_BxG, 1, 0))
+    # The h_k half of every slot's gate / RNN input, in one product before the sequential loop.
+    hx_BxGx = None if markov_head is None else markov_head.slot_inputs(h_BxGxd)
+    hx_GxBx = None if hx_BxGx is None else jnp.moveaxis(hx_BxGx, 1, 0)
+    xs = (jnp.moveaxis(base_logits_BxGxN, 1, 0), hx_GxBx, jnp.moveaxis(keys_BxG, 1, 0))
     carry0 = (anchor_B.astype(jnp.int32), state0)
     _, (tokens_GxB, logits_GxBxN, q_GxBxN) = jax.lax.scan(body, carry0, xs)
 
