@@ -102,13 +102,26 @@ SEVENTH_LEG = next_leg(
 )
 # 214 more prompts from each of three more seeds, grown into the seventh leg's cache; the Markov
 # head widened to the paper's rank 256 (Drafter.widened_markov), its W1 rows the draft vocabulary's.
-CONFIG = next_leg(
+EIGHTH_LEG = next_leg(
     SEVENTH_LEG,
-    "smollm2_135m_dspark",
+    "smollm2_135m_dspark_eighth",
     data_seed=(6, 7, 8, 9, 10, 11),
     data_mix=("paper", "formats", "writing") * 2,
     drafter={**SEVENTH_LEG.drafter, "markov_rank": 256, "markov_w1_rows": "draft"},
     seed=49,
     # Seed 9 gave one of the held-out texts, so this leg's held-out set has another prompt.
     heldout_cache_dir="runs/heldout_cache_seed1_n48_leg8",
+)
+# Leg 10 (leg 9 was an unshipped experiment on T = 1 answers, docs/TRAINING.md): fresh answers
+# only, 214 prompts from each of seeds 15-17 in a cache of their own, and the Markov head gated
+# (Drafter.gated_markov: the gate starts at 1/2 against a doubled W2, so step 0 drafts as leg 8).
+CONFIG = next_leg(
+    EIGHTH_LEG,
+    "smollm2_135m_dspark",
+    num_prompts=214,
+    data_seed=(15, 16, 17),
+    data_mix=("paper", "formats", "writing"),
+    cache_dir="runs/smollm2_135m_cache_leg10",
+    drafter={**EIGHTH_LEG.drafter, "markov_head": "gated"},
+    seed=51,
 )

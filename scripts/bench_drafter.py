@@ -9,6 +9,8 @@ all variants alike (min and median of the rounds):
   (``lax.scan``) and the confidence head;
 * ``parallel``: the same drafter with no sequential head (DFlash: the γ slots are sampled
   independently) — the difference is the sequential head's cost;
+* ``gated``: the same drafter with the gated Markov head (spec §2.2) — the difference to
+  ``dspark`` is what the gate costs;
 * ``backbone``: the backbone + LM head alone, no sampling.
 
 Vocabularies: the full 49,152-token head and a reduced ``--reduced-vocab`` head. Writes JSON
@@ -113,9 +115,11 @@ def main(argv=None) -> int:
         for gamma, batch, vocab in bar:
             bar.set_postfix_str(f"γ={gamma} B={batch} vocab={vocab or 'full'}")
             dspark = build(target, gamma, vocab, "vanilla", args.layers, args.rank)
-            parallel = build(target, gamma, vocab, "none", args.layers, args.rank)
             calls = make_calls(dspark, embed, batch, args.context, SamplingConfig())
-            calls["parallel"] = make_calls(parallel, embed, batch, args.context, SamplingConfig())["dspark"]
+            for markov in ("none", "gated"):
+                variant = build(target, gamma, vocab, markov, args.layers, args.rank)
+                calls["parallel" if markov == "none" else markov] = make_calls(
+                    variant, embed, batch, args.context, SamplingConfig())["dspark"]
             calls["dspark_t1"] = make_calls(dspark, embed, batch, args.context, SamplingConfig(temperature=1.0))["dspark"]
             times = {name: [] for name in calls}
             for fn in calls.values():  # compile + warm up
@@ -134,6 +138,7 @@ def main(argv=None) -> int:
                 **{f"{name}_ms": s for name, s in stats.items()},
                 "seq_head_ms": dspark_ms - parallel_ms,
                 "seq_head_share": (dspark_ms - parallel_ms) / dspark_ms,
+                "gate_ms": stats["gated"]["min_ms"] - dspark_ms,
             })
 
     def cell(gamma, batch, vocab):
@@ -145,6 +150,7 @@ def main(argv=None) -> int:
         "draft_ms_b1_g7": round(full["dspark_ms"]["min_ms"], 2),
         "seq_head_share_b1_g7": round(full["seq_head_share"], 3),
         "draft_ms_b1_g7_reduced_vocab": round(reduced["dspark_ms"]["min_ms"], 2),
+        "gate_ms_b1_g7_reduced_vocab": round(reduced["gate_ms"], 2),
     }
     result = {
         "summary": summary,
@@ -159,7 +165,7 @@ def main(argv=None) -> int:
             "weights": "random (timing only)",
         },
         "method": "jitted calls interleaved round-robin; min/median of repeats after 2 warm-up "
-        "calls; seq_head = dspark - parallel (same drafter without the Markov head)",
+        "calls; seq_head = dspark - parallel (same drafter without the Markov head); gate = gated - dspark",
         "rows": rows,
         "args": vars(args),
     }
@@ -170,7 +176,8 @@ def main(argv=None) -> int:
         print(
             f"γ={r['gamma']} B={r['batch']} vocab={r['vocab']:>6}: dspark {r['dspark_ms']['min_ms']:.2f} ms "
             f"(T=1 {r['dspark_t1_ms']['min_ms']:.2f}), parallel {r['parallel_ms']['min_ms']:.2f}, "
-            f"backbone {r['backbone_ms']['min_ms']:.2f}, seq head share {r['seq_head_share']:.1%}",
+            f"backbone {r['backbone_ms']['min_ms']:.2f}, seq head share {r['seq_head_share']:.1%}, "
+            f"gated {r['gated_ms']['min_ms']:.2f}",
             file=sys.stderr,
         )
     print(json.dumps(summary))
