@@ -1,8 +1,9 @@
-"""``dspark`` command line: ``demo``, ``generate``, ``bench``, ``convert``, ``train``."""
+"""``dspark`` command line: ``demo``, ``generate``, ``bench``, ``profile``, ``calibrate``, ``convert``, ``train``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -83,21 +84,23 @@ def check_drafter_arg(spec: str) -> None:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
 
 
-def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False):
+def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, greedy: bool = True):
     """``(name, drafter, policy, note)`` for ``--drafter`` (a shipped name or a directory).
 
     Anything wrong (unknown name, not trained/shipped yet, not a checkpoint, does not fit the
-    target) exits with one line. A threshold policy on a drafter without a confidence head is an
-    error, or with ``fallback`` runs ``fixed:γ`` and says so in ``note``.
+    target) exits with one line. A threshold or scheduler policy on a drafter without a
+    confidence head is an error, or with ``fallback`` runs ``fixed:γ`` and says so in ``note``.
+    A scheduler policy gets the drafter's calibration for ``greedy`` or sampled decoding.
     """
+    from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.compare import load_drafter_spec, policy_for
 
     try:
         name, drafter = load_drafter_spec(spec, target.cfg)
+        chosen, note = policy_for(drafter.cfg, policy, directory=resolve_drafter(spec)[1], greedy=greedy)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
-    chosen, note = policy_for(drafter.cfg, policy)
-    if note and not fallback:
+    if note and not drafter.cfg.confidence_head and not fallback:
         raise SystemExit(f"--policy {policy_text(policy)} needs a drafter with a confidence head; "
                          f"{name} ({drafter.cfg.kind}) has none: use fixed:K")
     return name, drafter, chosen, note
@@ -105,11 +108,17 @@ def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False):
 
 def policy_text(policy) -> str:
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
 
     if isinstance(policy, FixedPolicy):
         return f"fixed:{policy.k}"
     if isinstance(policy, ThresholdPolicy):
         return f"threshold:{policy.threshold:g}"
+    if isinstance(policy, SchedulerPolicy):
+        costs = "; ".join(f"B={b}: " + ", ".join(f"W{w} {s * 1e3:.1f}" for w, s in table) + " ms"
+                          for b, table in policy.costs or ())
+        calibrated = "STS-calibrated" if policy.temperatures is not None else "uncalibrated"
+        return f"scheduler ({calibrated}; round cost {costs or 'not profiled'})"
     return repr(policy)
 
 
@@ -148,7 +157,9 @@ def cmd_generate(args) -> int:
     if args.drafter is not None:
         from dspark_jax.eval.compare import make_decoder
 
-        name, drafter, policy, _ = load_drafter_arg(args.drafter, target, policy)
+        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, greedy=sampling.greedy)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
         runner = make_decoder(target, drafter, policy)
     else:
         runner = AutoregressiveGenerator(target)
@@ -199,7 +210,9 @@ def cmd_bench(args) -> int:
         texts = list(DEMO_PROMPTS[: args.prompts])
     check_drafter_arg(args.drafter or DEFAULT)
     target, tokenizer = load_target(None)
-    name, drafter, policy, _ = load_drafter_arg(args.drafter or DEFAULT, target, policy)
+    name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, greedy=sampling.greedy)
+    if note:
+        print(f"note: {note}")
     decoder = make_decoder(target, drafter, policy)
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
@@ -277,8 +290,10 @@ def _demo_side_by_side(args, target, tokenizer, prompts) -> None:
     from dspark_jax.drafters import DEFAULT
     from dspark_jax.eval.compare import Comparison, make_decoder
 
-    name, drafter, _, _ = load_drafter_arg(DEFAULT, target)
-    decoder = make_decoder(target, drafter, parse_policy_arg(args.policy))
+    name, drafter, policy, note = load_drafter_arg(DEFAULT, target, parse_policy_arg(args.policy))
+    if note:
+        print(f"note: {note}")
+    decoder = make_decoder(target, drafter, policy)
     print(f"\n== target-only vs DSpark ({_describe(name, drafter, decoder)}), greedy, one request at "
           f"a time (B=1), {args.max_new_tokens} new tokens max")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
@@ -314,9 +329,64 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def cmd_train(args) -> int:
-    import dataclasses
+def cmd_profile(args) -> int:
+    """Time a round at every verify width for each batch size: the scheduler's cost table."""
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.eval.bench import machine_info
+    from dspark_jax.scheduler.profile import profile_round_costs, save_cost_tables
 
+    if any(b < 1 for b in args.batch) or args.repeats < 1:
+        raise SystemExit("--batch values and --repeats must be >= 1")
+    check_drafter_arg(args.drafter)
+    target, _ = load_target(None)
+    name, drafter, _, _ = load_drafter_arg(args.drafter, target)
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size),
+                                 verify_widths=args.widths)
+    tables = {}
+    for batch in args.batch:
+        tables[batch] = profile_round_costs(decoder, batch, max_len=args.max_len, repeats=args.repeats)
+        print(f"B={batch}: " + ", ".join(f"width {w} {s * 1e3:.1f} ms" for w, s in tables[batch].items()))
+    path = save_cost_tables(args.out, tables, drafter=name, max_len=args.max_len, repeats=args.repeats,
+                            statistic="median seconds of a draft + verify round", machine=machine_info())
+    print(f"wrote {path}; use it with --policy scheduler:{path}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Fit STS temperatures on held-out prompts and store them next to the drafter's weights."""
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.drafters import resolve_drafter
+    from dspark_jax.training import calibrate
+    from dspark_jax.training.data import MIX, build_prompts
+
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--prompts and --max-new-tokens must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    check_drafter_arg(args.drafter)
+    directory = Path(args.out_dir) if args.out_dir else resolve_drafter(args.drafter)[1]
+    target, tokenizer = load_target(None)
+    name, drafter, _, _ = load_drafter_arg(args.drafter, target)
+    if not drafter.cfg.confidence_head:
+        raise SystemExit(f"--drafter {args.drafter!r}: a {drafter.cfg.kind} drafter has no confidence head to calibrate")
+    texts = [p.text for p in build_prompts(args.prompts, seed=args.data_seed, mix=MIX)]
+    prompts = [_encode(tokenizer, text, chat=True) for text in texts]
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
+    logits, accepted = calibrate.collect_rounds(
+        decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
+        stop_ids=[tokenizer.eos_token_id], seed=args.seed)
+    fitted = calibrate.fit_sts(logits, accepted)
+    mode = calibrate.mode_of(sampling)
+    path = calibrate.save_calibration(directory, mode, fitted, drafter=name, prompts=args.prompts,
+                                      data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
+                                      sampling=dataclasses.asdict(sampling))
+    print(f"{mode}: {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}")
+    print(f"ECE of the survival per position: {_fmt_values(fitted['ece_before'])} -> {_fmt_values(fitted['ece_after'])}")
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_train(args) -> int:
     from dspark_jax.training.train import load_config, run
 
     config = load_config(args.config)
@@ -328,7 +398,9 @@ def cmd_train(args) -> int:
 
 
 DRAFTER_HELP = "a shipped drafter name (smollm2_135m_dspark, _dflash, _eagle3) or a drafter checkpoint directory"
-POLICY_HELP = "verify lengths: fixed:K (K drafts per round) or threshold:X (confidence >= X); default: the decoder's (fixed:7)"
+POLICY_HELP = ("verify lengths: fixed:K (K drafts per round), threshold:X (confidence >= X), scheduler (Algorithm 1 "
+               "over a cost table profiled at start) or scheduler:PROFILE.json (from dspark profile); "
+               "default: the decoder's (fixed:7)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -337,10 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a few real prompts on the embedded target")
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    # The shipped drafter's confidence head is calibrated: verifying only trusted drafts was
-    # faster than fixed:7 on every domain measured, and 0.4 the fastest of the thresholds 0.2-0.5
-    # for leg 10's drafter (docs/BENCHMARKS.md).
-    demo.add_argument("--policy", default="threshold:0.4", help=POLICY_HELP.split("; default")[0] + "; default threshold:0.4")
+    # The scheduler (profiled on this machine, STS-calibrated) matched or beat the best hand-picked
+    # threshold (0.4) on every domain measured, with nothing tuned (docs/BENCHMARKS.md).
+    demo.add_argument("--policy", default="scheduler", help=POLICY_HELP.split("; default")[0] + "; default scheduler")
     demo.set_defaults(func=cmd_demo)
 
     gen = sub.add_parser("generate", help="generate text from one prompt")
@@ -372,6 +443,28 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
     conv.add_argument("--out", required=True)
     conv.set_defaults(func=cmd_convert)
+
+    prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")
+    prof.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
+    prof.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
+    prof.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8)")
+    prof.add_argument("--max-len", type=int, default=256, help="cache length to time with (default 256)")
+    prof.add_argument("--repeats", type=int, default=10, help="timed rounds per width; the median counts")
+    prof.add_argument("--out", required=True, help="JSON cost table to write")
+    prof.set_defaults(func=cmd_profile)
+
+    cal = sub.add_parser("calibrate", help="fit the confidence head's STS temperatures on held-out prompts")
+    cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
+    cal.add_argument("--prompts", type=int, default=48, help="held-out prompts to decode (default 48)")
+    cal.add_argument("--data-seed", type=int, default=1000,
+                     help="seed of the generated prompt mix (default 1000; no shipped drafter trained on it)")
+    cal.add_argument("--max-new-tokens", type=int, default=96)
+    cal.add_argument("--temperature", type=float, default=0.0, help="0 = calibrate for greedy decoding")
+    cal.add_argument("--top-k", type=int, default=0)
+    cal.add_argument("--top-p", type=float, default=1.0)
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--out-dir", default=None, help="where calibration.json goes (default: the drafter's directory)")
+    cal.set_defaults(func=cmd_calibrate)
 
     train = sub.add_parser("train", help="build the target cache and train a drafter (resumes if interrupted)")
     train.add_argument("--config", required=True, help="a config file defining CONFIG = TrainConfig(...), e.g. configs/tiny_test.py")

@@ -56,9 +56,10 @@ def parse_args(argv):
                     "(default: smollm2_135m_dspark)")
     ap.add_argument("--compare-baselines", action="store_true",
                     help="also run the three shipped drafters (DSpark, DFlash, EAGLE-3)")
-    ap.add_argument("--policy", default=None,
-                    help="fixed:K or threshold:X (drafters without a confidence head run fixed:γ instead); "
-                    "default: the decoder's (fixed:7)")
+    ap.add_argument("--policy", action="append", default=None,
+                    help="fixed:K, threshold:X, scheduler (profiled at start, B=1) or scheduler:PROFILE.json; "
+                    "repeatable: every drafter runs with every policy, side by side (drafters without a "
+                    "confidence head run fixed:γ instead); default: the decoder's (fixed:7)")
     ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 2)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 32)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the identity check needs it)")
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     except ValueError as error:
         raise SystemExit(f"--temperature/--top-k/--top-p: {error}") from None
-    policy = parse_policy_arg(args.policy)
+    policies = [(text, parse_policy_arg(text)) for text in args.policy or [None]]
     for spec in args.drafter:  # fail before the target loads
         check_drafter_arg(spec)
     if not Path(args.benchmarks).is_dir():
@@ -169,28 +170,34 @@ def main(argv=None) -> int:
 
     decoders, drafters = {}, {}
     for spec in args.drafter:
-        name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True)
-        base, n = name, 2
-        while name in decoders:
-            name, n = f"{base}#{n}", n + 1
-        decoders[name] = make_decoder(target, drafter, chosen)
-        _, source = resolve_drafter(spec)
-        drafters[name] = {
-            "spec": spec,
-            "path": str(source),
-            "kind": drafter.cfg.kind,
-            "block_size": drafter.cfg.block_size,
-            "backbone_layers": drafter.cfg.backbone.num_layers,
-            "tap_layers": list(drafter.cfg.tap_layers),
-            "markov_head": drafter.cfg.markov_head,
-            "confidence_head": drafter.cfg.confidence_head,
-            "draft_vocab_size": drafter.cfg.draft_vocab_size,
-            "policy": policy_text(decoders[name].policy),
-            "policy_note": note,
-            "metadata": read_drafter_config(source)[1],
-        }
-        if note:
-            print(f"note: {name}: {note}", file=sys.stderr)
+        chosen_here = []
+        for text, policy in policies:
+            name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True, greedy=sampling.greedy)
+            if chosen in chosen_here:  # e.g. a baseline's fixed:γ stand-in for every confidence policy
+                continue
+            chosen_here.append(chosen)
+            base = name if len(policies) == 1 else f"{name}@{text}"
+            name, n = base, 2
+            while name in decoders:
+                name, n = f"{base}#{n}", n + 1
+            decoders[name] = make_decoder(target, drafter, chosen)
+            _, source = resolve_drafter(spec)
+            drafters[name] = {
+                "spec": spec,
+                "path": str(source),
+                "kind": drafter.cfg.kind,
+                "block_size": drafter.cfg.block_size,
+                "backbone_layers": drafter.cfg.backbone.num_layers,
+                "tap_layers": list(drafter.cfg.tap_layers),
+                "markov_head": drafter.cfg.markov_head,
+                "confidence_head": drafter.cfg.confidence_head,
+                "draft_vocab_size": drafter.cfg.draft_vocab_size,
+                "policy": policy_text(decoders[name].policy),
+                "policy_note": note,
+                "metadata": read_drafter_config(source)[1],
+            }
+            if note:
+                print(f"note: {name}: {note}", file=sys.stderr)
 
     comparison = Comparison(target, decoders, max_new_tokens=args.max_new_tokens,
                             stop_ids=[tokenizer.eos_token_id], sampling=sampling)

@@ -109,7 +109,7 @@ def _tiny_target_drafter(directory):
         (["--drafter", "smollm2_135m_eagle3"], "not trained/shipped yet"),
         (["--drafter", "{empty}"], "not a drafter checkpoint: no config.json"),
         (["--drafter", "{tiny}"], "drafter does not fit the target: hidden_size"),
-        (["--drafter", "{drafter}", "--policy", "greedy:3"], "policy must be 'fixed:K' or 'threshold:X'"),
+        (["--drafter", "{drafter}", "--policy", "greedy:3"], "policy must be 'fixed:K', 'threshold:X'"),
         (["--drafter", "{drafter}", "--policy", "fixed:three"], "--policy 'fixed:three'"),
         (["--drafter", "{drafter}", "--policy", "threshold:1.5"], "threshold must be in"),
         (["--policy", "fixed:3"], "--policy needs --drafter"),
@@ -141,6 +141,47 @@ def test_threshold_policy_needs_a_confidence_head():
     assert policy == FixedPolicy(5) and "no confidence head" in note
     dspark = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
     assert policy_for(dspark, ThresholdPolicy(0.5)) == (ThresholdPolicy(0.5), None)
+
+
+def test_scheduler_policy_gets_the_drafters_calibration_for_the_mode(tmp_path):
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.decoding.speculative import FixedPolicy
+    from dspark_jax.eval.compare import policy_for
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+    from dspark_jax.training.calibrate import save_calibration
+    from tests.tiny import tiny_config
+
+    dflash = DrafterConfig.dflash(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0, block_size=5)
+    policy, note = policy_for(dflash, SchedulerPolicy())
+    assert policy == FixedPolicy(5) and "instead of scheduler" in note
+    dspark = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
+    save_calibration(tmp_path, "greedy", {"temperatures": [2.0] * 7})
+    assert policy_for(dspark, SchedulerPolicy(), directory=tmp_path) == (SchedulerPolicy(temperatures=(2.0,) * 7), None)
+    policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, greedy=False)
+    assert policy == SchedulerPolicy() and "no sampled calibration" in note
+    assert policy_for(dspark, SchedulerPolicy(temperatures=(1.0,) * 7), directory=tmp_path)[0].temperatures == (1.0,) * 7
+
+
+def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, target_only_france, shared_target,
+                                                              random_drafter_dir):
+    import shutil
+
+    from dspark_jax.scheduler.profile import load_cost_tables
+
+    plain, _ = target_only_france
+    drafter = tmp_path / "drafter"
+    shutil.copytree(random_drafter_dir, drafter)
+    costs = tmp_path / "costs.json"
+    assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--out", str(costs)]) == 0
+    assert sorted(load_cost_tables(costs)[1]) == [1, 2, 4, 8]
+    assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8"]) == 0
+    entry = json.loads((drafter / "calibration.json").read_text())["greedy"]
+    assert len(entry["temperatures"]) == 7 and entry["rounds"] > 0 and len(entry["ece_after"]) == 7
+    capsys.readouterr()
+    assert main(["generate", *FRANCE, "--drafter", str(drafter), "--policy", f"scheduler:{costs}"]) == 0
+    out, err = capsys.readouterr()
+    assert out == plain  # greedy: the target's text, whatever the scheduler verified
+    assert "policy scheduler (STS-calibrated; round cost B=1: W1 " in err
 
 
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):

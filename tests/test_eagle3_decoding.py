@@ -45,7 +45,7 @@ class ScriptedDecoder(SpeculativeDecoder):
         draft = self._draft
 
         def scripted(*args):
-            block, lengths = draft(*args)
+            block, lengths, confidence = draft(*args)
             state = next(a for a in args if isinstance(a, DecodeState))
             positions = np.asarray(state.target_cache.lengths_B)
             if self.schedule:
@@ -61,7 +61,7 @@ class ScriptedDecoder(SpeculativeDecoder):
                 tokens = np.take_along_axis(self.truth, index, axis=1)
                 q = np.eye(block.q_BxGxV.shape[-1], dtype=np.float32)[tokens]
                 block = block._replace(tokens_BxG=tokens, q_BxGxV=q)
-            return block, lengths
+            return block, lengths, confidence
 
         self._draft = scripted
 

@@ -59,12 +59,12 @@ class OracleDecoder(SpeculativeDecoder):
         lens = jnp.asarray(prompt_lens)
 
         def oracle_draft(params, drafter_state, state, keys, sampling, active):
-            block, lengths = draft(params, drafter_state, state, keys, sampling, active)
+            block, lengths, confidence = draft(params, drafter_state, state, keys, sampling, active)
             done = state.target_cache.lengths_B - lens  # generated tokens already in the cache
             index = jnp.clip(done[:, None] + 1 + jnp.arange(GAMMA), 0, truth.shape[1] - 1)
             tokens = jnp.take_along_axis(truth, index, axis=1)
             q = jax.nn.one_hot(tokens, block.q_BxGxV.shape[-1], dtype=jnp.float32)
-            return block._replace(tokens_BxG=tokens, q_BxGxV=q), lengths
+            return block._replace(tokens_BxG=tokens, q_BxGxV=q), lengths, confidence
 
         self._draft = oracle_draft
 
@@ -89,7 +89,7 @@ def test_greedy_equals_target_only_when_every_draft_is_accepted(real, k):
 class ScrambledPolicy:
     """Verify lengths that jump around from row to row and round to round (data, not shapes)."""
 
-    def lengths(self, confidence_BxG, gamma):
+    def lengths(self, confidence_BxG, gamma, active_B):
         return jnp.abs(confidence_BxG[:, 0] * 1e4).astype(jnp.int32) % (gamma + 1)
 
 
@@ -114,10 +114,10 @@ def test_no_recompilation_with_varying_verify_lengths(real):
 
 def test_threshold_policy_truncates_at_the_first_unconfident_slot():
     z = jnp.asarray([[2.0, 2.0, -2.0, 2.0], [-2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]])
-    np.testing.assert_array_equal(ThresholdPolicy(0.5).lengths(z, 4), [2, 0, 4])
-    np.testing.assert_array_equal(FixedPolicy(9).lengths(z, 4), [4, 4, 4])
+    np.testing.assert_array_equal(ThresholdPolicy(0.5).lengths(z, 4, jnp.ones((3,), bool)), [2, 0, 4])
+    np.testing.assert_array_equal(FixedPolicy(9).lengths(z, 4, jnp.ones((3,), bool)), [4, 4, 4])
     with pytest.raises(ValueError, match="confidence head"):
-        ThresholdPolicy(0.5).lengths(None, 4)
+        ThresholdPolicy(0.5).lengths(None, 4, jnp.ones((3,), bool))
 
 
 def test_bad_input_is_a_clear_error(real):

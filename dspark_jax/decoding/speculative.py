@@ -18,6 +18,7 @@ less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows ar
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -52,9 +53,8 @@ class FixedPolicy:
         if self.k < 0:
             raise ValueError(f"fixed policy needs k >= 0 drafted tokens, got {self.k}")
 
-    def lengths(self, confidence_BxG, gamma: int) -> jax.Array:
-        batch = confidence_BxG.shape[0] if confidence_BxG is not None else 1
-        return jnp.full((batch,), min(self.k, gamma), jnp.int32)
+    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+        return jnp.full(active_B.shape, min(self.k, gamma), jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ThresholdPolicy:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1], got {self.threshold}")
 
-    def lengths(self, confidence_BxG, gamma: int) -> jax.Array:
+    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("a threshold policy needs a drafter with a confidence head")
         keep = jax.nn.sigmoid(confidence_BxG) >= self.threshold
@@ -75,12 +75,20 @@ class ThresholdPolicy:
 
 
 def parse_policy(text: str):
-    """A policy from text: ``fixed:K`` or ``threshold:X``."""
+    """A policy from text: ``fixed:K``, ``threshold:X``, ``scheduler`` (to be profiled on this
+    machine before decoding) or ``scheduler:PROFILE.json`` (a cost table from ``dspark profile``)."""
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+    from dspark_jax.scheduler.profile import load_cost_tables
+
     kind, _, value = text.partition(":")
-    parsers = {"fixed": lambda v: FixedPolicy(int(v)), "threshold": lambda v: ThresholdPolicy(float(v))}
+    parsers = {
+        "fixed": lambda v: FixedPolicy(int(v)),
+        "threshold": lambda v: ThresholdPolicy(float(v)),
+        "scheduler": lambda v: SchedulerPolicy.from_tables(load_cost_tables(v)) if v else SchedulerPolicy(),
+    }
     if kind in parsers:
-        return parsers[kind](value)  # a bad number or range raises its own clear ValueError
-    raise ValueError(f"policy must be 'fixed:K' or 'threshold:X', got {text!r}")
+        return parsers[kind](value)  # a bad number, range or file raises its own clear error
+    raise ValueError(f"policy must be 'fixed:K', 'threshold:X', 'scheduler' or 'scheduler:PROFILE.json', got {text!r}")
 
 
 # Stop ids travel as a fixed-size array padded with -1, so their number is not a compiled shape.
@@ -126,7 +134,8 @@ def prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, ke
 
 
 def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B):
-    """The drafter's block after each anchor and the policy's verify lengths (0 for inactive rows)."""
+    """The drafter's block after each anchor, the policy's verify lengths (0 for inactive rows)
+    and the confidence logits they came from (``None`` for a drafter without a head)."""
     gamma = drafter.cfg.block_size
     embed, lm_head = target.embedding_and_head(params)
     round_keys = step_keys(keys_B, 2 * state.round_B + 1)
@@ -134,8 +143,8 @@ def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_
     block, confidence = drafter.propose(
         embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
     )
-    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma), active_B.shape)
-    return block, jnp.where(active_B, lengths, 0)
+    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B), active_B.shape)
+    return block, jnp.where(active_B, lengths, 0), confidence
 
 
 def verify_step(target, drafter, params, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
@@ -162,7 +171,7 @@ def verify_step(target, drafter, params, state, block, lengths_B, keys_B, sampli
 def speculative_round(target, drafter, policy, params, state, keys_B, sampling, active_B, stop_ids, *, width):
     """Draft -> verify -> commit in one call at a fixed (static) ``width``; verify lengths are
     capped at ``width - 1``. Returns ``(verdict, lengths_B, new_state)``."""
-    block, lengths = draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B)
+    block, lengths, _ = draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B)
     lengths = jnp.minimum(lengths, width - 1)
     verdict, new_state = verify_step(
         target, drafter, params, state, block, lengths, keys_B, sampling, active_B, stop_ids, width=width
@@ -185,6 +194,8 @@ class SpeculativeResult:
     # until the verdict does; the rest of ``decode_s`` is host bookkeeping.
     draft_s: float = 0.0
     verify_s: float = 0.0
+    # per round: the confidence logits [active requests, γ] (empty for a drafter without a head)
+    confidence_per_round: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     def per_position_acceptance(self, gamma: int) -> np.ndarray:
         if not self.accepted_per_round:
@@ -225,7 +236,7 @@ class SpeculativeDecoder:
         strict: bool = False,
     ):
         drafter.cfg.check_target(target.cfg)
-        self.target, self.cfg, self.policy, self.strict = target, drafter.cfg, policy, strict
+        self.target, self.cfg, self.strict = target, drafter.cfg, strict
         gamma = self.cfg.block_size
         self.verify_widths = tuple(sorted(set(int(w) for w in verify_widths if w >= 1)))
         if not self.verify_widths or self.verify_widths[-1] < gamma + 1:
@@ -236,21 +247,14 @@ class SpeculativeDecoder:
             # reference generator steps with.
             self.verify_widths = (next(w for w in self.verify_widths if w >= gamma + 1),)
         self._feature_dtype = feature_dtype(target)
-        # The policy is baked into the jitted draft step: build a new decoder to change it.
         self.drafter_graph, self.drafter_state = nnx.split(drafter)
         self._new_context = drafter.new_context
-        if not self.cfg.confidence_head:
-            # A policy that needs confidence fails here, not at the first draft.
-            jax.eval_shape(lambda: policy.lengths(None, gamma))
         graph = self.drafter_graph
 
         def prefill(params, drafter_state, cache, context, tokens_BxP, lens_B, keys_B, sampling):
             return prefill_step(
                 target, nnx.merge(graph, drafter_state), params, cache, context, tokens_BxP, lens_B, keys_B, sampling
             )
-
-        def draft(params, drafter_state, state, keys_B, sampling, active_B):
-            return draft_step(target, nnx.merge(graph, drafter_state), policy, params, state, keys_B, sampling, active_B)
 
         def verify_commit(params, drafter_state, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
             return verify_step(
@@ -259,8 +263,32 @@ class SpeculativeDecoder:
             )
 
         self._prefill = jax.jit(prefill, donate_argnums=(2, 3))
-        self._draft = jax.jit(draft)
         self._verify = jax.jit(verify_commit, static_argnames=("width",), donate_argnames=("state",))
+        self._set_policy(policy)
+
+    def _set_policy(self, policy) -> None:
+        """Bake ``policy`` into a freshly jitted draft step (the only step that reads it)."""
+        gamma = self.cfg.block_size
+        if not self.cfg.confidence_head:
+            # A policy that needs confidence fails here, not at the first draft.
+            jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool)))
+        check_widths = getattr(policy, "check_widths", None)
+        if check_widths is not None:
+            check_widths(self.verify_widths)
+        target, graph = self.target, self.drafter_graph
+
+        def draft(params, drafter_state, state, keys_B, sampling, active_B):
+            return draft_step(target, nnx.merge(graph, drafter_state), policy, params, state, keys_B, sampling, active_B)
+
+        self.policy = policy
+        self._draft = jax.jit(draft)
+
+    def with_policy(self, policy) -> SpeculativeDecoder:
+        """This decoder with another policy. Prefill and verify do not read the policy, so their
+        compiled programs are shared; only the draft step compiles again."""
+        other = copy.copy(self)
+        other._set_policy(policy)
+        return other
 
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
         """Compile prefill, draft and every verify width for these shapes; returns seconds."""
@@ -276,7 +304,7 @@ class SpeculativeDecoder:
             jnp.asarray([1] * batch, jnp.int32), keys, params,
         )
         for width in self.verify_widths:
-            block, _ = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
+            block, _, _ = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
             lengths = jnp.zeros((batch,), jnp.int32)
             _, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params, active,
@@ -340,13 +368,13 @@ class SpeculativeDecoder:
                 active[row], reasons[row] = False, "stop"
             elif max_new_tokens <= 1:
                 active[row] = False
-        accepted_log, lengths_log, widths = [], [], []
+        accepted_log, lengths_log, confidence_log, widths = [], [], [], []
         start = time.perf_counter()
         draft_s = verify_s = 0.0
         while active.any():
             t_draft = time.perf_counter()
             active_j = jnp.asarray(active)
-            block, lengths = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
+            block, lengths, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
             lengths_np = np.asarray(lengths)  # waits for the draft call
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
@@ -361,6 +389,8 @@ class SpeculativeDecoder:
             accepted_log.append(np.asarray(verdict.num_accepted_B)[active])
             verify_s += time.perf_counter() - t_verify
             lengths_log.append(lengths_np[active])
+            if confidence is not None:
+                confidence_log.append(np.asarray(confidence)[active])
             widths.append(width)
             for row in np.flatnonzero(active):
                 room = max_new_tokens - len(out[row])
@@ -372,5 +402,5 @@ class SpeculativeDecoder:
         decode_s = time.perf_counter() - start
         return SpeculativeResult(
             out, reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
-            draft_s=draft_s, verify_s=verify_s,
+            draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log,
         )

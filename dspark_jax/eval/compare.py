@@ -70,30 +70,46 @@ def load_drafter_spec(spec: str, target_cfg):
     return name, load_drafter(path, target=target_cfg)
 
 
-def policy_for(drafter_cfg, policy):
+def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
     """The policy to run ``drafter_cfg`` with, and a note when it had to differ from ``policy``.
 
-    ``None`` keeps the decoder's default. A confidence-threshold policy needs a confidence head;
-    drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``).
+    ``None`` keeps the decoder's default. Threshold and scheduler policies need a confidence head;
+    drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``). A
+    scheduler policy without temperatures gets the drafter's STS calibration for this decoding
+    mode from ``directory/calibration.json`` (``training.calibrate``); without one it runs on the
+    raw confidences, and the note says so.
     """
-    from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+    import dataclasses
 
-    if isinstance(policy, ThresholdPolicy) and not drafter_cfg.confidence_head:
+    from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+    from dspark_jax.training.calibrate import read_temperatures
+
+    if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
         gamma = drafter_cfg.block_size
-        return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of threshold:{policy.threshold}"
+        asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
+        return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
+    if isinstance(policy, SchedulerPolicy) and policy.temperatures is None:
+        mode = "greedy" if greedy else "sampled"
+        temperatures = None if directory is None else read_temperatures(directory, mode)
+        if temperatures is None:
+            return policy, f"no {mode} calibration for this drafter (dspark calibrate): the scheduler uses raw confidences"
+        return dataclasses.replace(policy, temperatures=tuple(temperatures)), None
     return policy, None
 
 
-def make_decoder(target, drafter, policy):
+def make_decoder(target, drafter, policy, *, profile_max_len: int = 256):
     """A decoder for ``policy`` (None: the decoder's default).
 
     A fixed policy verifies the same number of drafts every round, so only that one verify width
     is ever used: the decoder gets just it (plus the full-block width it always adds) and its
-    warm-up compiles nothing else. Other policies keep the default width buckets.
+    warm-up compiles nothing else. Other policies keep the default width buckets. A scheduler
+    policy without a cost table is profiled here, at B=1 with a ``profile_max_len`` cache.
     """
     import inspect
 
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.scheduler.profile import profiled
 
     if policy is None:
         default = inspect.signature(SpeculativeDecoder).parameters["policy"].default
@@ -101,7 +117,9 @@ def make_decoder(target, drafter, policy):
     kwargs = {} if policy is None else {"policy": policy}
     if isinstance(policy, FixedPolicy):
         kwargs["verify_widths"] = (min(policy.k, drafter.cfg.block_size) + 1,)
-    return SpeculativeDecoder(target, drafter, **kwargs)
+    if getattr(policy, "widths", None):
+        kwargs["verify_widths"] = policy.widths
+    return profiled(SpeculativeDecoder(target, drafter, **kwargs), (1,), max_len=profile_max_len)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""The hardware-aware prefix scheduler (paper Algorithm 1), on device.
+
+Per round, each active request ``r`` has drafted γ tokens with confidence logits ``z_{r,k}``;
+``c_{r,k} = σ(z_{r,k} / T_k)`` (``T_k`` from sequential temperature scaling) estimates that
+``x_{r,k}`` survives given that ``x_{r,<k}`` did, and ``a_{r,j} = Π_{k≤j} c_{r,k}`` that the
+first ``j`` all survive. Verifying ``ℓ_r`` drafts is worth ``1 + Σ_{j≤ℓ_r} a_{r,j}`` expected
+tokens, and the round costs what the profiled cost table says for the widest verify forward:
+rows are padded to one width bucket ``W ≥ max_r ℓ_r + 1`` (``SpeculativeDecoder.width_for``), so
+a round costs ``cost[W]`` seconds for the decoder's batch, drafting included.
+
+Algorithm 1: start from ``ℓ = 0`` everywhere, admit candidates ``(r, j)`` in order of ``a``
+(descending; ties by smaller ``j``, so a prefix comes before its extension), and stop at the
+first one that does not raise the expected throughput ``Θ = E[tokens] / cost``. The stop is what
+keeps the choice lossless: whether ``x_{r,k}`` is verified is settled when ``(r, k)`` is
+reached, from values that do not depend on ``x_{r,k}`` (``a_{r,k+1}`` does, and it comes later);
+a search for the best point of the whole path would let ``x_{r,k}`` decide its own admission
+(paper Appendix A, ``tests/test_scheduler.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def survival(confidence_BxG: jax.Array, temperatures_G: jax.Array | None = None) -> jax.Array:
+    """``a_{r,j} = Π_{k≤j} σ(z_{r,k} / T_k)``: the chance that drafts ``1..j`` all survive."""
+    z = confidence_BxG.astype(jnp.float32)
+    if temperatures_G is not None:
+        z = z / temperatures_G
+    return jnp.cumprod(jax.nn.sigmoid(z), axis=1)
+
+
+def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequence[int], costs: Sequence[float]) -> jax.Array:
+    """Algorithm 1 with its early stop: the verify length per request (0 for inactive rows).
+
+    ``widths`` are the verify buckets (ascending; the last ``≥ γ + 1``) and ``costs[i]`` the
+    seconds a round at ``widths[i]`` takes for this batch. Vectorised: the admission order is one
+    sort, and ``Θ`` after each admission a cumulative sum (expected tokens) over a cumulative max
+    (the longest prefix so far, which fixes the width and so the cost).
+    """
+    batch, gamma = survival_BxG.shape
+    if widths[-1] < gamma + 1:
+        raise ValueError(f"the widest verify bucket ({widths[-1]}) must fit a block of {gamma} drafts plus the anchor")
+    a = jnp.where(active_B[:, None], survival_BxG, 0.0).reshape(-1)
+    slot = jnp.tile(jnp.arange(1, gamma + 1), batch)
+    row = jnp.repeat(jnp.arange(batch), gamma)
+    order = jnp.lexsort((row, slot, -a))  # by a descending, then smaller slot, then row
+    a_sorted, slot_sorted, row_sorted = a[order], slot[order], row[order]
+
+    widths_arr = jnp.asarray(widths, jnp.int32)
+    costs_arr = jnp.asarray(costs, jnp.float32)
+
+    def cost_of(longest):  # the round's cost when the longest verified prefix is ``longest``
+        return costs_arr[jnp.searchsorted(widths_arr, longest + 1)]
+
+    # Θ_t = tokens_t / cost_t rises at candidate t iff a_t · cost_{t-1} > tokens_{t-1} · (cost_t − cost_{t-1}):
+    # the same test as comparing the Θs, without rounding a tiny a_t away inside the sum.
+    tokens = jnp.sum(active_B.astype(jnp.float32)) + jnp.cumsum(a_sorted)  # each active request yields >= 1
+    cost = cost_of(jax.lax.cummax(slot_sorted))
+    tokens_before = jnp.concatenate([tokens[:1] - a_sorted[:1], tokens[:-1]])
+    cost_before = jnp.concatenate([cost_of(jnp.zeros((1,), jnp.int32)), cost[:-1]])
+    rises = a_sorted * cost_before > tokens_before * (cost - cost_before)
+    # Admit while Θ rises; the first candidate that does not raise it ends the search.
+    admitted = jnp.cumprod(rises.astype(jnp.int32)).astype(bool)
+    per_row = jnp.zeros((batch,), jnp.int32).at[row_sorted].add(admitted.astype(jnp.int32))
+    return per_row
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerPolicy:
+    """Verify lengths from Algorithm 1 over a profiled cost table (``scheduler.profile``).
+
+    ``costs`` maps a batch size to ``{verify width: seconds a round}``; the decoder's batch must
+    be in it and its verify widths must be the table's. ``None`` is a policy still to be
+    profiled (``scheduler.profile.profiled``; the CLI does it at start). ``temperatures`` (one per
+    draft slot) calibrate the confidence head (``training.calibrate``); ``None`` uses ``σ(z)``.
+    """
+
+    costs: tuple | None = None  # ((batch, ((width, seconds), ...)), ...): hashable, for the jitted step
+    temperatures: tuple | None = None
+
+    def __post_init__(self):
+        if self.costs is not None and not self.costs:
+            raise ValueError("a scheduler policy needs a cost table for at least one batch size")
+        for batch, table in self.costs or ():
+            widths = [w for w, _ in table]
+            if batch < 1 or not widths or widths != sorted(set(widths)) or widths[0] < 1:
+                raise ValueError(f"cost table for batch {batch}: widths must be distinct, ascending and >= 1, got {widths}")
+            if tuple(widths) != self.widths:
+                raise ValueError(f"every batch's cost table must time the same verify widths: {widths} vs {list(self.widths)}")
+            if any(not (np.isfinite(s) and s > 0) for _, s in table):
+                raise ValueError(f"cost table for batch {batch}: every cost must be a positive number of seconds")
+        if self.temperatures is not None and any(not (np.isfinite(t) and t > 0) for t in self.temperatures):
+            raise ValueError(f"calibration temperatures must be positive, got {self.temperatures}")
+
+    @classmethod
+    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], temperatures: Sequence[float] | None = None):
+        costs = tuple(sorted((int(b), tuple(sorted((int(w), float(s)) for w, s in t.items()))) for b, t in tables.items()))
+        return cls(costs, None if temperatures is None else tuple(float(t) for t in temperatures))
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """The verify widths the table times (the decoder must use exactly these)."""
+        return None if self.costs is None else tuple(w for w, _ in self.costs[0][1])
+
+    def check_widths(self, verify_widths: Sequence[int]) -> None:
+        if self.widths is not None and tuple(verify_widths) != self.widths:
+            raise ValueError(f"the decoder verifies at widths {list(verify_widths)} but the scheduler's cost table "
+                             f"times {list(self.widths)}; build the decoder with verify_widths={self.widths}")
+
+    def _table(self, batch: int):
+        if self.costs is None:
+            raise ValueError("this scheduler policy has no cost table yet: profile the decoder first "
+                             "(dspark_jax.scheduler.profile.profiled, or `dspark profile`)")
+        for b, table in self.costs:
+            if b == batch:
+                return table
+        profiled = ", ".join(str(b) for b, _ in self.costs)
+        raise ValueError(f"the scheduler's cost table has no batch size {batch} (profiled: {profiled}); "
+                         "profile that batch size (`dspark profile --batch ...`)")
+
+    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+        if confidence_BxG is None:
+            raise ValueError("the scheduler needs a drafter with a confidence head")
+        if self.temperatures is not None and len(self.temperatures) != gamma:
+            raise ValueError(f"{len(self.temperatures)} calibration temperatures for a drafter of γ={gamma}")
+        table = self._table(confidence_BxG.shape[0])
+        # A narrow width timed slower than a wider one is timing noise: it costs what the wider does.
+        seconds = np.minimum.accumulate(np.asarray([s for _, s in table])[::-1])[::-1]
+        temperatures = None if self.temperatures is None else jnp.asarray(self.temperatures, jnp.float32)
+        return prefix_lengths(survival(confidence_BxG, temperatures), active_B, [w for w, _ in table], seconds.tolist())

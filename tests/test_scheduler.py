@@ -1,0 +1,213 @@
+"""The hardware-aware prefix scheduler: Algorithm 1, its non-anticipation, and the decoder with it."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.config import SamplingConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, parse_policy
+from dspark_jax.decoding.verify import verify
+from dspark_jax.diagnostics import count_compilations
+from dspark_jax.sampling import SamplingParams
+from dspark_jax.scheduler.prefix import SchedulerPolicy, prefix_lengths, survival
+from dspark_jax.scheduler.profile import (
+    load_cost_tables,
+    profile_round_costs,
+    profiled,
+    save_cost_tables,
+)
+from tests.prompts import mixed_prompts, random_drafter
+
+
+def algorithm_1(a_BxG, active_B, widths, costs):
+    """Paper Algorithm 1 as a plain loop (the oracle): admit candidates by ``a`` until Θ stops rising."""
+    batch, gamma = a_BxG.shape
+    candidates = sorted(
+        ((float(a_BxG[r, j]), j + 1, r) for r in range(batch) if active_B[r] for j in range(gamma)),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+
+    def cost(longest):
+        return costs[next(i for i, w in enumerate(widths) if w >= longest + 1)]
+
+    lengths = [0] * batch
+    tokens = float(sum(active_B))
+    best = tokens / cost(0)
+    for a, j, r in candidates:
+        tokens += a
+        longest = max(max(lengths), j)
+        theta = tokens / cost(longest)
+        if not theta > best:
+            break
+        lengths[r], best = j, theta
+    return lengths
+
+
+def random_survival(rng, batch, gamma):
+    c = 1.0 - rng.beta(1.0, 4.0, (batch, gamma))  # mostly confident, some not
+    c[rng.uniform(size=c.shape) < 0.1] = 1.0  # exact ties inside a request
+    return np.cumprod(c, axis=1).astype(np.float32)
+
+
+CURVES = {
+    "flat": ((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.2)),
+    "steep": ((1, 2, 4, 8), (1.0, 1.3, 1.9, 3.0)),
+    "jagged": ((1, 2, 4, 8), (1.0, 1.3, 1.3, 1.8)),
+}
+
+
+@pytest.mark.parametrize("curve", sorted(CURVES))
+def test_matches_algorithm_1(curve):
+    widths, costs = CURVES[curve]
+    rng = np.random.default_rng(0)
+    chosen = set()
+    for _ in range(200):
+        batch = int(rng.integers(1, 5))
+        a = random_survival(rng, batch, 7)
+        active = rng.uniform(size=batch) < 0.8
+        got = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs))
+        assert got.tolist() == algorithm_1(a, active, widths, costs)
+        assert (got[~active] == 0).all()
+        chosen.update(got[active].tolist())
+    assert len(chosen) >= 3, chosen  # the cases exercise several prefix lengths
+
+
+def test_appendix_a_counterexample_stops_before_looking_at_c2():
+    """R = 1, γ = 2, a_1 = 0.8, SPS(1, 2, 3) = (1, 0.5, 0.45): Θ_1 = 0.9 < Θ_0 = 1 stops the search,
+    whatever c_2 is; a search for the path's maximum would take ℓ = 2 when c_2 = 0.9 (Θ_2 = 1.134)."""
+    widths, costs = (1, 2, 3), (1.0, 1 / 0.5, 1 / 0.45)
+    for c2 in (0.9, 0.0):
+        a = jnp.asarray([[0.8, 0.8 * c2]], jnp.float32)
+        assert prefix_lengths(a, jnp.ones((1,), bool), widths, costs).tolist() == [0]
+    assert (1 + 0.8 + 0.72) * 0.45 > 1.0 > (1 + 0.8) * 0.5  # the case where the global search errs
+
+
+def _appendix_a_output(n, global_search):
+    """Output frequencies of the first token in Appendix A's setting: vocabulary {A, B},
+    p_t = (0.7, 0.3), q = (0.5, 0.5), c_1 = 0.8 and c_2 = 0.9 after A, 0 after B."""
+    widths, costs = (1, 2, 3), (1.0, 2.0, 1 / 0.45)
+    keys = jax.random.split(jax.random.PRNGKey(1), 3)
+    drafts = jax.random.bernoulli(keys[0], 0.5, (n, 2)).astype(jnp.int32)  # 0 = A, 1 = B
+    c2 = jnp.where(drafts[:, 0] == 0, 0.9, 0.0)
+    a = jnp.stack([jnp.full((n,), 0.8), 0.8 * c2], axis=1)
+    if global_search:  # the best point of the whole path: it looks at c_2, which depends on x_1
+        theta = jnp.stack([jnp.ones(n), (1 + a[:, 0]) * 0.5, (1 + a[:, 0] + a[:, 1]) * 0.45], axis=1)
+        lengths = jnp.argmax(theta, axis=1).astype(jnp.int32)
+    else:
+        lengths = jax.vmap(lambda row: prefix_lengths(row[None], jnp.ones((1,), bool), widths, costs)[0])(a)
+    q = jnp.full((n, 2, 2), 0.5)
+    target_logits = jnp.broadcast_to(jnp.log(jnp.asarray([0.7, 0.3])), (n, 3, 2))
+    config = SamplingConfig(temperature=1.0)
+    out = verify(drafts, q, target_logits, lengths, SamplingParams.broadcast(config, n),
+                 jax.random.split(keys[1], n), jnp.zeros((0,), jnp.int32))
+    return np.bincount(np.asarray(out.emitted_BxE[:, 0]), minlength=2) / n
+
+
+def test_early_stop_keeps_the_output_distribution_exact():
+    n, expected = 40000, np.asarray([0.7, 0.3])
+    chi2 = n * (((_appendix_a_output(n, global_search=False) - expected) ** 2) / expected).sum()
+    assert chi2 < 15.0  # 1 dof: p ≈ 1e-4
+    broken = _appendix_a_output(n, global_search=True)
+    np.testing.assert_allclose(broken, [0.85, 0.15], atol=0.01)  # the paper's biased distribution
+
+
+@pytest.mark.parametrize("curve", sorted(CURVES))
+def test_admission_of_a_draft_does_not_depend_on_the_draft_itself(curve):
+    """Whether x_{r,k} is verified may depend on a_{r,≤k} and other requests, never on
+    a_{r,k+1..} (which depend on x_{r,k}): re-drawing the later confidences keeps ``ℓ_r ≥ k``."""
+    widths, costs = CURVES[curve]
+    rng = np.random.default_rng(1)
+    active = jnp.ones((3,), bool)
+    for _ in range(60):
+        c = rng.uniform(0.05, 1.0, (3, 7))
+        base = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(c, 1), jnp.float32), active, widths, costs))
+        r, k = int(rng.integers(3)), int(rng.integers(1, 7))
+        for _ in range(5):
+            changed = c.copy()
+            changed[r, k:] = rng.uniform(0.0, 1.0, 7 - k)
+            got = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(changed, 1), jnp.float32), active, widths, costs))
+            assert (got[r] >= k) == (base[r] >= k)
+
+
+def test_survival_applies_the_calibration_temperatures():
+    z = jnp.asarray([[2.0, -1.0, 0.5]])
+    np.testing.assert_allclose(survival(z), np.cumprod(1 / (1 + np.exp(-np.asarray(z))), axis=1), rtol=1e-6)
+    t = jnp.asarray([2.0, 0.5, 1.0])
+    np.testing.assert_allclose(survival(z, t), survival(z / t), rtol=1e-6)
+
+
+def test_policy_errors_name_the_problem(tmp_path):
+    table = {1: {1: 0.03, 2: 0.035, 4: 0.04, 8: 0.05}}
+    policy = SchedulerPolicy.from_tables(table)
+    z = jnp.zeros((2, 7))
+    with pytest.raises(ValueError, match="no batch size 2"):
+        policy.lengths(z, 7, jnp.ones((2,), bool))
+    with pytest.raises(ValueError, match="confidence head"):
+        policy.lengths(None, 7, jnp.ones((1,), bool))
+    with pytest.raises(ValueError, match="no cost table yet"):
+        SchedulerPolicy().lengths(z[:1], 7, jnp.ones((1,), bool))
+    with pytest.raises(ValueError, match="3 calibration temperatures"):
+        SchedulerPolicy.from_tables(table, [1.0, 1.0, 1.0]).lengths(z[:1], 7, jnp.ones((1,), bool))
+    with pytest.raises(ValueError, match="positive"):
+        SchedulerPolicy.from_tables({1: {1: 0.0, 8: 1.0}})
+    with pytest.raises(ValueError, match="same verify widths"):
+        SchedulerPolicy.from_tables({1: {1: 0.1, 8: 0.2}, 2: {1: 0.1, 4: 0.1, 8: 0.2}})
+    with pytest.raises(ValueError, match="widest verify bucket"):
+        prefix_lengths(jnp.ones((1, 7)), jnp.ones((1,), bool), (1, 4), (1.0, 2.0))
+    with pytest.raises(FileNotFoundError, match="dspark profile"):
+        parse_policy(f"scheduler:{tmp_path / 'missing.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not a dspark-jax-cost-table"):
+        load_cost_tables(bad)
+    path = save_cost_tables(tmp_path / "costs.json", table, note="test")
+    assert parse_policy(f"scheduler:{path}") == policy
+    assert parse_policy("scheduler") == SchedulerPolicy()
+
+
+@pytest.fixture(scope="module")
+def real(embedded_target):
+    target, tokenizer = embedded_target
+    prompts = mixed_prompts(tokenizer)
+    reference = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=24, max_len=256)
+    return target, random_drafter(target.cfg, 7), prompts, reference
+
+
+def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real):
+    """A synthetic cost table (so the test does not hang on timing): lengths vary with the
+    drafter's confidences, greedy output equals target-only, nothing compiles after warm-up."""
+    target, drafter, prompts, reference = real
+    costs = {len(prompts): {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}}
+    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs))
+    decoder.warmup(len(prompts), max(len(p) for p in prompts), 256)
+    decoder.warmup(1, len(prompts[2]), 256)
+    with count_compilations() as counter:
+        batched = decoder.generate(prompts, max_new_tokens=24, max_len=256)
+        alone = decoder.generate(prompts[2:3], max_new_tokens=24, max_len=256)
+    assert counter.count == 0
+    assert batched.tokens == reference.tokens
+    assert alone.tokens[0] == reference.tokens[2]
+    lengths = np.concatenate(batched.verify_lengths)
+    assert len(set(lengths.tolist())) > 1, "the scheduler never varied the verify length"
+    # A steeper curve for one row than for four: the single request verifies less.
+    assert np.concatenate(alone.verify_lengths).mean() < lengths.mean()
+    with pytest.raises(ValueError, match="verify_widths"):
+        SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs), verify_widths=(1, 8))
+
+
+def test_profiling_fills_in_the_cost_table(real):
+    target, drafter, _, _ = real
+    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy())
+    costs = profile_round_costs(decoder, 1, max_len=256, repeats=1)
+    assert sorted(costs) == [1, 2, 4, 8] and all(s > 0 for s in costs.values())
+    scheduled = profiled(decoder, (1,), max_len=256, repeats=1)
+    assert scheduled.policy.widths == (1, 2, 4, 8) and scheduled._verify is decoder._verify
+    assert profiled(scheduled) is scheduled  # already profiled: unchanged
+    fixed = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    assert profiled(fixed) is fixed
+    with pytest.raises(ValueError, match="cannot hold"):
+        profile_round_costs(decoder, 1, max_len=64, repeats=20)
