@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Batched decoding: verify-length policies against target-only throughput as the batch grows.
+
+What the hardware-aware scheduler is for: a verify forward's cost grows with the batch × width
+it runs at (steeply on a CPU), so a policy that is right at B=1 is wrong at B=8. On the embedded
+SmolLM2-135M-Instruct target with a shipped drafter, greedy:
+
+- prompts: math (GSM8K), code (HumanEval) and chat (MT-Bench) first turns from ``--benchmarks``,
+  interleaved, so every batch mixes domains; ``--batches-per-size`` batches of B for each B;
+- every decoder is warmed up at every (B, prompt bucket) first; the scheduler's cost table is
+  profiled for every B on its own decoder before anything is timed;
+- per batch: target-only, then each policy, on the same prompts (best of ``--repeats``);
+- per (B, policy): decode throughput (generated tokens / decode seconds, pooled over batches),
+  the ratio to target-only's at the same B, τ, the verify-width histogram, the mean verify
+  length, and whether greedy outputs equal target-only's token for token.
+
+Writes JSON (``--out``) and a PNG of throughput against B next to it; the last line printed is
+``{"speedup": {"<policy>": {"<B>": ratio}}, "identical": ...}``.
+
+    .venv/bin/python scripts/bench_scheduler.py                   # B in 1 4 8, three policies
+    .venv/bin/python scripts/bench_scheduler.py --quick           # B in 1 4, 12 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
+    ap.add_argument("--drafter", default="smollm2_135m_dspark")
+    ap.add_argument("--policy", action="append", default=None,
+                    help="repeatable (default: fixed:7, threshold:0.4, scheduler)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 4 8; --quick: 1 4)")
+    ap.add_argument("--batches-per-size", type=int, default=None, help="batches timed per B (default 2; --quick: 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick: 12)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="docs/scheduler/bench_scheduler_batch.json")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    args.policy = args.policy or ["fixed:7", "threshold:0.4", "scheduler"]
+    args.batches = args.batches or ([1, 4] if args.quick else [1, 4, 8])
+    args.batches_per_size = args.batches_per_size or (1 if args.quick else 2)
+    args.max_new_tokens = args.max_new_tokens or (12 if args.quick else 64)
+    if min(args.batches) < 1 or args.batches_per_size < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        ap.error("--batches, --batches-per-size, --max-new-tokens and --repeats must be >= 1")
+    return args
+
+
+def interleaved_prompts(directory: Path, count: int, tokenizer) -> list[list[int]]:
+    from dspark_jax.eval.compare import DOMAIN_FILES, read_prompts_jsonl
+
+    per_domain = -(-count // len(DOMAIN_FILES))
+    lists = [read_prompts_jsonl(directory / f, per_domain) for f in DOMAIN_FILES.values()]
+    texts = [t for group in zip(*lists) for t in group][:count]
+    if len(texts) < count:
+        raise SystemExit(f"--benchmarks {directory}: {count} prompts needed, {len(texts)} found")
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for name, per_batch in results.items():
+        batches = sorted(int(b) for b in per_batch)
+        ax.plot(batches, [per_batch[str(b)]["tokens_per_s"] for b in batches], marker="o", label=name)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.eval.bench import machine_info
+    from dspark_jax.eval.compare import json_clean
+    from dspark_jax.scheduler.profile import policy_summary, profiled
+
+    policies = [(text, parse_policy_arg(text)) for text in args.policy]
+    check_drafter_arg(args.drafter)
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    started, load_start = time.time(), os.getloadavg()
+    target, tokenizer = load_embedded_target()
+    stops = [tokenizer.eos_token_id]
+    prompts = interleaved_prompts(Path(args.benchmarks), max(args.batches) * args.batches_per_size, tokenizer)
+    limit = target.cfg.max_position_embeddings
+    max_len_ar = cache_len([len(p) for p in prompts], args.max_new_tokens, limit)
+
+    decoders = {}
+    for text, policy in policies:
+        _, drafter, chosen, note = load_drafter_arg(args.drafter, target, policy)
+        if note:
+            print(f"note: {text}: {note}", file=sys.stderr)
+        widths = getattr(chosen, "widths", None) or (1, 2, 4, 8)
+        if isinstance(chosen, FixedPolicy):
+            widths = (min(chosen.k, drafter.cfg.block_size) + 1,)
+        decoders[text] = SpeculativeDecoder(target, drafter, policy=chosen, verify_widths=widths)
+    max_len_spec = cache_len([len(p) for p in prompts], args.max_new_tokens, limit,
+                             max(d.slack for d in decoders.values()))
+    # A scheduler without a table is timed now, at every B, on the cache length decoding will use.
+    decoders = {n: profiled(d, tuple(args.batches), max_len=max_len_spec) for n, d in decoders.items()}
+    baseline = AutoregressiveGenerator(target)
+
+    t0 = time.perf_counter()
+    for b in args.batches:
+        groups = [prompts[i * b:(i + 1) * b] for i in range(args.batches_per_size)]
+        for size in sorted({bucket(max(len(p) for p in g)) for g in groups}):
+            baseline.warmup(b, size, max_len_ar)
+            for decoder in decoders.values():
+                decoder.warmup(b, size, max_len_spec)
+    compile_s = time.perf_counter() - t0
+    print(f"compiled and warmed up in {compile_s:.0f} s", file=sys.stderr)
+
+    def best(generator, batch, max_len):
+        runs = [generator.generate(batch, max_new_tokens=args.max_new_tokens, stop_ids=stops, max_len=max_len)
+                for _ in range(args.repeats)]
+        return min(runs, key=lambda r: r.decode_s)
+
+    def produced(result):
+        return sum(max(len(t) - 1, 0) for t in result.tokens)
+
+    totals = {name: {b: {"tokens": 0, "decode_s": 0.0, "accepted": [], "lengths": [], "widths": [],
+                         "identical": True} for b in args.batches} for name in ["target_only", *decoders]}
+    for b in args.batches:
+        for i in range(args.batches_per_size):
+            batch = prompts[i * b:(i + 1) * b]
+            base = best(baseline, batch, max_len_ar)
+            totals["target_only"][b]["tokens"] += produced(base)
+            totals["target_only"][b]["decode_s"] += base.decode_s
+            for name, decoder in decoders.items():
+                spec = best(decoder, batch, max_len_spec)
+                entry = totals[name][b]
+                entry["tokens"] += produced(spec)
+                entry["decode_s"] += spec.decode_s
+                entry["accepted"] += spec.accepted_per_round
+                entry["lengths"] += spec.verify_lengths
+                entry["widths"] += spec.verify_widths
+                entry["identical"] &= spec.tokens == base.tokens
+            print(f"B={b} batch {i + 1}/{args.batches_per_size} done", file=sys.stderr)
+
+    results = {}
+    for name, per_batch in totals.items():
+        results[name] = {}
+        for b, e in per_batch.items():
+            rate = e["tokens"] / e["decode_s"] if e["decode_s"] > 0 else float("nan")
+            row = {"tokens": e["tokens"], "decode_s": e["decode_s"], "tokens_per_s": rate}
+            if name != "target_only":
+                base = totals["target_only"][b]
+                accepted = np.concatenate(e["accepted"]) if e["accepted"] else np.zeros(0)
+                lengths = np.concatenate(e["lengths"]) if e["lengths"] else np.zeros(0)
+                widths, counts = np.unique(np.asarray(e["widths"], int), return_counts=True)
+                row |= {
+                    "speedup": rate / (base["tokens"] / base["decode_s"]),
+                    "tau": float(np.mean(accepted + 1)) if accepted.size else float("nan"),
+                    "mean_verify_length": float(lengths.mean()) if lengths.size else float("nan"),
+                    "width_histogram": {str(int(w)): int(c) for w, c in zip(widths, counts)},
+                    "identical": e["identical"],
+                }
+            results[name][str(b)] = row
+
+    summary = {
+        "speedup": {n: {b: round(r["speedup"], 3) for b, r in per.items()} for n, per in results.items() if n != "target_only"},
+        "identical": all(r["identical"] for n, per in results.items() if n != "target_only" for r in per.values()),
+    }
+    body = {
+        "summary": summary,
+        "mode": "quick" if args.quick else "full",
+        "started_unix": started,
+        "wall_s": time.time() - started,
+        "machine": machine_info(),
+        "load_avg_start": load_start,
+        "settings": {"drafter": args.drafter, "batches": args.batches, "batches_per_size": args.batches_per_size,
+                     "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "greedy": True,
+                     "prompts": "math/code/chat first turns interleaved", "cache_len": [max_len_ar, max_len_spec]},
+        "policies": {n: policy_text(d.policy) for n, d in decoders.items()},
+        "scheduler_tables": {n: policy_summary(d.policy) for n, d in decoders.items() if hasattr(d.policy, "costs")},
+        "compile_s": compile_s,
+        "results": results,
+        "method": {"speedup": "decode tokens/s of the policy / target-only's at the same B (tokens and decode "
+                   "seconds pooled over the batches; best of repeats per batch)",
+                   "identical": "greedy outputs equal target-only's token for token in every batch"},
+    }
+    out_path.write_text(json.dumps(json_clean(body), indent=1))
+    if not args.no_plot:
+        plot(json_clean(results), out_path.with_suffix(".png"),
+             f"SmolLM2-135M + {args.drafter}, greedy, {args.max_new_tokens} new tokens, mixed prompts")
+    for name, per in results.items():
+        cells = "  ".join(f"B={b}: {r['tokens_per_s']:.1f} tok/s" + (f" x{r['speedup']:.2f} τ {r['tau']:.2f}"
+                                                                  if "speedup" in r else "") for b, r in per.items())
+        print(f"{name:14s} {cells}", file=sys.stderr)
+    print(json.dumps(json_clean(summary)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
