@@ -106,6 +106,12 @@ def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, 
     return name, drafter, chosen, note
 
 
+def _width_name(width: int) -> str:
+    from dspark_jax.scheduler.prefix import PLAIN
+
+    return "plain" if width == PLAIN else f"W{width}"
+
+
 def policy_text(policy) -> str:
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
     from dspark_jax.scheduler.prefix import SchedulerPolicy
@@ -115,7 +121,7 @@ def policy_text(policy) -> str:
     if isinstance(policy, ThresholdPolicy):
         return f"threshold:{policy.threshold:g}"
     if isinstance(policy, SchedulerPolicy):
-        costs = "; ".join(f"B={b}: " + ", ".join(f"W{w} {s * 1e3:.1f}" for w, s in table) + " ms"
+        costs = "; ".join(f"B={b}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f}" for w, s in table) + " ms"
                           for b, table in policy.costs or ())
         calibrated = "STS-calibrated" if policy.temperatures is not None else "uncalibrated"
         return f"scheduler ({calibrated}; round cost {costs or 'not profiled'})"
@@ -345,7 +351,7 @@ def cmd_profile(args) -> int:
     tables = {}
     for batch in args.batch:
         tables[batch] = profile_round_costs(decoder, batch, max_len=args.max_len, repeats=args.repeats)
-        print(f"B={batch}: " + ", ".join(f"width {w} {s * 1e3:.1f} ms" for w, s in tables[batch].items()))
+        print(f"B={batch}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f} ms" for w, s in tables[batch].items()))
     path = save_cost_tables(args.out, tables, drafter=name, max_len=args.max_len, repeats=args.repeats,
                             statistic="median seconds of a draft + verify round", machine=machine_info())
     print(f"wrote {path}; use it with --policy scheduler:{path}")

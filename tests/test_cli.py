@@ -173,7 +173,7 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     shutil.copytree(random_drafter_dir, drafter)
     costs = tmp_path / "costs.json"
     assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--out", str(costs)]) == 0
-    assert sorted(load_cost_tables(costs)[1]) == [1, 2, 4, 8]
+    assert sorted(load_cost_tables(costs)[1]) == [0, 1, 2, 4, 8]  # 0: a round without a draft
     assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8"]) == 0
     entry = json.loads((drafter / "calibration.json").read_text())["greedy"]
     assert len(entry["temperatures"]) == 7 and entry["rounds"] > 0 and len(entry["ece_after"]) == 7
@@ -181,7 +181,7 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert main(["generate", *FRANCE, "--drafter", str(drafter), "--policy", f"scheduler:{costs}"]) == 0
     out, err = capsys.readouterr()
     assert out == plain  # greedy: the target's text, whatever the scheduler verified
-    assert "policy scheduler (STS-calibrated; round cost B=1: W1 " in err
+    assert "policy scheduler (STS-calibrated; round cost B=1: plain " in err and ", W8 " in err
 
 
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):

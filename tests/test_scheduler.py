@@ -13,7 +13,7 @@ from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, par
 from dspark_jax.decoding.verify import verify
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.scheduler.prefix import SchedulerPolicy, prefix_lengths, survival
+from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy, prefix_lengths, survival
 from dspark_jax.scheduler.profile import (
     load_cost_tables,
     profile_round_costs,
@@ -23,7 +23,7 @@ from dspark_jax.scheduler.profile import (
 from tests.prompts import mixed_prompts, random_drafter
 
 
-def algorithm_1(a_BxG, active_B, widths, costs):
+def algorithm_1(a_BxG, active_B, widths, costs, baseline_cost=None):
     """Paper Algorithm 1 as a plain loop (the oracle): admit candidates by ``a`` until Θ stops rising."""
     batch, gamma = a_BxG.shape
     candidates = sorted(
@@ -36,7 +36,7 @@ def algorithm_1(a_BxG, active_B, widths, costs):
 
     lengths = [0] * batch
     tokens = float(sum(active_B))
-    best = tokens / cost(0)
+    best = tokens / (cost(0) if baseline_cost is None else baseline_cost)
     for a, j, r in candidates:
         tokens += a
         longest = max(max(lengths), j)
@@ -73,6 +73,11 @@ def test_matches_algorithm_1(curve):
         assert got.tolist() == algorithm_1(a, active, widths, costs)
         assert (got[~active] == 0).all()
         chosen.update(got[active].tolist())
+        # Against a cheaper "verify nothing" (a round without a draft), fewer drafts pay.
+        plain = 0.8 * costs[0]
+        cheaper = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, baseline_cost=plain))
+        assert cheaper.tolist() == algorithm_1(a, active, widths, costs, baseline_cost=plain)
+        assert cheaper.tolist() in (got.tolist(), [0] * batch)  # only the first admission differs
     assert len(chosen) >= 3, chosen  # the cases exercise several prefix lengths
 
 
@@ -191,6 +196,7 @@ def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real):
     assert counter.count == 0
     assert batched.tokens == reference.tokens
     assert alone.tokens[0] == reference.tokens[2]
+    assert batched.plain_rounds == alone.plain_rounds == 0  # no plain cost in the table: always draft
     lengths = np.concatenate(batched.verify_lengths)
     assert len(set(lengths.tolist())) > 1, "the scheduler never varied the verify length"
     # A steeper curve for one row than for four: the single request verifies less.
@@ -203,7 +209,7 @@ def test_profiling_fills_in_the_cost_table(real):
     target, drafter, _, _ = real
     decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy())
     costs = profile_round_costs(decoder, 1, max_len=256, repeats=1)
-    assert sorted(costs) == [1, 2, 4, 8] and all(s > 0 for s in costs.values())
+    assert sorted(costs) == [PLAIN, 1, 2, 4, 8] and all(s > 0 for s in costs.values())
     scheduled = profiled(decoder, (1,), max_len=256, repeats=1)
     assert scheduled.policy.widths == (1, 2, 4, 8) and scheduled._verify is decoder._verify
     assert profiled(scheduled) is scheduled  # already profiled: unchanged
@@ -211,3 +217,33 @@ def test_profiling_fills_in_the_cost_table(real):
     assert profiled(fixed) is fixed
     with pytest.raises(ValueError, match="cannot hold"):
         profile_round_costs(decoder, 1, max_len=64, repeats=20)
+
+
+def test_worth_drafting_compares_with_a_round_without_a_draft():
+    table = {1: {PLAIN: 0.6, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}
+    z = jnp.asarray([[3.0] * 7])  # σ ≈ 0.95 each: drafts pay
+    active = jnp.ones((1,), bool)
+    assert bool(SchedulerPolicy.from_tables(table).worth_drafting(z, active))
+    assert not bool(SchedulerPolicy.from_tables(table).worth_drafting(-z, active))  # σ ≈ 0.05: they do not
+    no_plain = SchedulerPolicy.from_tables({1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}})
+    assert bool(no_plain.worth_drafting(-z, active))
+    assert SchedulerPolicy.from_tables(table).widths == (1, 2, 4, 8)
+
+
+def test_plain_rounds_skip_the_draft_and_keep_greedy_output(real):
+    """A random drafter's drafts never pay against a cheap plain round: the loop skips drafting
+    (backing off up to MAX_PLAIN_ROUNDS), output stays the target's, nothing compiles."""
+    from dspark_jax.decoding.speculative import MAX_PLAIN_ROUNDS
+
+    target, drafter, prompts, reference = real
+    costs = {len(prompts): {PLAIN: 0.5, 1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}}
+    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs))
+    decoder.warmup(len(prompts), max(len(p) for p in prompts), 256)
+    with count_compilations() as counter:
+        result = decoder.generate(prompts, max_new_tokens=24, max_len=256)
+    assert counter.count == 0
+    assert result.tokens == reference.tokens
+    drafted = result.rounds - result.plain_rounds
+    assert result.plain_rounds > drafted > 0  # it kept probing, and mostly skipped
+    assert len(result.confidence_per_round) == drafted
+    assert result.plain_rounds <= MAX_PLAIN_ROUNDS * drafted

@@ -91,6 +91,9 @@ def parse_policy(text: str):
     raise ValueError(f"policy must be 'fixed:K', 'threshold:X', 'scheduler' or 'scheduler:PROFILE.json', got {text!r}")
 
 
+# The most rounds in a row that skip the draft before drafting again to see whether it pays.
+MAX_PLAIN_ROUNDS = 8
+
 # Stop ids travel as a fixed-size array padded with -1, so their number is not a compiled shape.
 MAX_STOP_IDS = 16
 
@@ -194,8 +197,9 @@ class SpeculativeResult:
     # until the verdict does; the rest of ``decode_s`` is host bookkeeping.
     draft_s: float = 0.0
     verify_s: float = 0.0
-    # per round: the confidence logits [active requests, γ] (empty for a drafter without a head)
+    # per drafted round: the confidence logits [active requests, γ] (empty for a drafter without a head)
     confidence_per_round: list[np.ndarray] = dataclasses.field(default_factory=list)
+    plain_rounds: int = 0  # rounds that skipped the draft (target steps; counted in ``rounds``)
 
     def per_position_acceptance(self, gamma: int) -> np.ndarray:
         if not self.accepted_per_round:
@@ -282,6 +286,9 @@ class SpeculativeDecoder:
 
         self.policy = policy
         self._draft = jax.jit(draft)
+        # A policy that can tell when drafting does not pay lets the loop skip drafts (plain rounds).
+        worth = getattr(policy, "worth_drafting", None)
+        self._worth_drafting = None if worth is None else jax.jit(worth)
 
     def with_policy(self, policy) -> SpeculativeDecoder:
         """This decoder with another policy. Prefill and verify do not read the policy, so their
@@ -304,7 +311,9 @@ class SpeculativeDecoder:
             jnp.asarray([1] * batch, jnp.int32), keys, params,
         )
         for width in self.verify_widths:
-            block, _, _ = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
+            block, _, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
+            if self._worth_drafting is not None:
+                self._worth_drafting(confidence, active)
             lengths = jnp.zeros((batch,), jnp.int32)
             _, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params, active,
@@ -371,25 +380,42 @@ class SpeculativeDecoder:
         accepted_log, lengths_log, confidence_log, widths = [], [], [], []
         start = time.perf_counter()
         draft_s = verify_s = 0.0
+        # Plain rounds: after a drafted round whose drafts did not beat not drafting at all, the
+        # next ``skip`` rounds are target steps without a draft (ℓ = 0, decided before they
+        # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS.
+        skip = plain_left = plain_rounds = 0
+        no_drafts = jnp.zeros((batch,), jnp.int32)
+        block = None
         while active.any():
             t_draft = time.perf_counter()
             active_j = jnp.asarray(active)
-            block, lengths, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
-            lengths_np = np.asarray(lengths)  # waits for the draft call
+            drafting = plain_left == 0
+            if drafting:
+                block, lengths, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
+                lengths_np = np.asarray(lengths)  # waits for the draft call
+                width = self.width_for(int(lengths_np[active].max()))
+            else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
+                plain_left, plain_rounds = plain_left - 1, plain_rounds + 1
+                lengths, lengths_np, width = no_drafts, np.zeros(batch, np.int32), self.verify_widths[0]
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
-            width = self.width_for(int(lengths_np[active].max()))
             verdict, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params,
                 active_j, stops, width=width,
             )
+            if drafting and self._worth_drafting is not None:
+                if bool(self._worth_drafting(confidence, active_j)):
+                    skip = 0
+                else:
+                    skip = min(max(2 * skip, 1), MAX_PLAIN_ROUNDS)
+                    plain_left = skip
             emitted = np.asarray(verdict.emitted_BxE)
             num = np.asarray(verdict.num_emitted_B)
             stopped = np.asarray(verdict.stopped_B)
             accepted_log.append(np.asarray(verdict.num_accepted_B)[active])
             verify_s += time.perf_counter() - t_verify
             lengths_log.append(lengths_np[active])
-            if confidence is not None:
+            if drafting and confidence is not None:
                 confidence_log.append(np.asarray(confidence)[active])
             widths.append(width)
             for row in np.flatnonzero(active):
@@ -402,5 +428,5 @@ class SpeculativeDecoder:
         decode_s = time.perf_counter() - start
         return SpeculativeResult(
             out, reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
-            draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log,
+            draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log, plain_rounds=plain_rounds,
         )

@@ -35,13 +35,15 @@ def survival(confidence_BxG: jax.Array, temperatures_G: jax.Array | None = None)
     return jnp.cumprod(jax.nn.sigmoid(z), axis=1)
 
 
-def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequence[int], costs: Sequence[float]) -> jax.Array:
+def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequence[int], costs: Sequence[float],
+                   baseline_cost: float | None = None) -> jax.Array:
     """Algorithm 1 with its early stop: the verify length per request (0 for inactive rows).
 
     ``widths`` are the verify buckets (ascending; the last ``≥ γ + 1``) and ``costs[i]`` the
-    seconds a round at ``widths[i]`` takes for this batch. Vectorised: the admission order is one
-    sort, and ``Θ`` after each admission a cumulative sum (expected tokens) over a cumulative max
-    (the longest prefix so far, which fixes the width and so the cost).
+    seconds a round at ``widths[i]`` takes for this batch. ``baseline_cost`` is the cost of
+    verifying nothing (default: a round at the narrowest width). Vectorised: the admission order
+    is one sort, and ``Θ`` after each admission a cumulative sum (expected tokens) over a
+    cumulative max (the longest prefix so far, which fixes the width and so the cost).
     """
     batch, gamma = survival_BxG.shape
     if widths[-1] < gamma + 1:
@@ -63,7 +65,8 @@ def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequenc
     tokens = jnp.sum(active_B.astype(jnp.float32)) + jnp.cumsum(a_sorted)  # each active request yields >= 1
     cost = cost_of(jax.lax.cummax(slot_sorted))
     tokens_before = jnp.concatenate([tokens[:1] - a_sorted[:1], tokens[:-1]])
-    cost_before = jnp.concatenate([cost_of(jnp.zeros((1,), jnp.int32)), cost[:-1]])
+    baseline = cost_of(jnp.zeros((1,), jnp.int32)) if baseline_cost is None else jnp.full((1,), baseline_cost, jnp.float32)
+    cost_before = jnp.concatenate([baseline, cost[:-1]])
     rises = a_sorted * cost_before > tokens_before * (cost - cost_before)
     # Admit while Θ rises; the first candidate that does not raise it ends the search.
     admitted = jnp.cumprod(rises.astype(jnp.int32)).astype(bool)
@@ -71,14 +74,21 @@ def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequenc
     return per_row
 
 
+# The cost-table key of a round that skips the draft: a plain target step (ℓ = 0 for every row,
+# run at the narrowest verify width).
+PLAIN = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerPolicy:
     """Verify lengths from Algorithm 1 over a profiled cost table (``scheduler.profile``).
 
     ``costs`` maps a batch size to ``{verify width: seconds a round}``; the decoder's batch must
-    be in it and its verify widths must be the table's. ``None`` is a policy still to be
-    profiled (``scheduler.profile.profiled``; the CLI does it at start). ``temperatures`` (one per
-    draft slot) calibrate the confidence head (``training.calibrate``); ``None`` uses ``σ(z)``.
+    be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
+    round that skips the draft, lets the decoder stop drafting while drafts do not pay
+    (``worth_drafting``). ``None`` is a policy still to be profiled
+    (``scheduler.profile.profiled``; the CLI does it at start). ``temperatures`` (one per draft
+    slot) calibrate the confidence head (``training.calibrate``); ``None`` uses ``σ(z)``.
     """
 
     costs: tuple | None = None  # ((batch, ((width, seconds), ...)), ...): hashable, for the jitted step
@@ -88,7 +98,7 @@ class SchedulerPolicy:
         if self.costs is not None and not self.costs:
             raise ValueError("a scheduler policy needs a cost table for at least one batch size")
         for batch, table in self.costs or ():
-            widths = [w for w, _ in table]
+            widths = [w for w, _ in table if w != PLAIN]
             if batch < 1 or not widths or widths != sorted(set(widths)) or widths[0] < 1:
                 raise ValueError(f"cost table for batch {batch}: widths must be distinct, ascending and >= 1, got {widths}")
             if tuple(widths) != self.widths:
@@ -106,31 +116,48 @@ class SchedulerPolicy:
     @property
     def widths(self) -> tuple[int, ...] | None:
         """The verify widths the table times (the decoder must use exactly these)."""
-        return None if self.costs is None else tuple(w for w, _ in self.costs[0][1])
+        return None if self.costs is None else tuple(w for w, _ in self.costs[0][1] if w != PLAIN)
 
     def check_widths(self, verify_widths: Sequence[int]) -> None:
         if self.widths is not None and tuple(verify_widths) != self.widths:
             raise ValueError(f"the decoder verifies at widths {list(verify_widths)} but the scheduler's cost table "
                              f"times {list(self.widths)}; build the decoder with verify_widths={self.widths}")
 
-    def _table(self, batch: int):
+    def _table(self, batch: int) -> tuple[list[int], list[float], float | None]:
+        """``(widths, seconds, plain seconds or None)`` for ``batch`` rows."""
         if self.costs is None:
             raise ValueError("this scheduler policy has no cost table yet: profile the decoder first "
                              "(dspark_jax.scheduler.profile.profiled, or `dspark profile`)")
         for b, table in self.costs:
             if b == batch:
-                return table
+                verify = [(w, t) for w, t in table if w != PLAIN]
+                # A narrow width timed slower than a wider one is timing noise: it costs what the wider does.
+                seconds = np.minimum.accumulate(np.asarray([t for _, t in verify])[::-1])[::-1]
+                return [w for w, _ in verify], seconds.tolist(), dict(table).get(PLAIN)
         profiled = ", ".join(str(b) for b, _ in self.costs)
         raise ValueError(f"the scheduler's cost table has no batch size {batch} (profiled: {profiled}); "
                          "profile that batch size (`dspark profile --batch ...`)")
 
-    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+    def _survival(self, confidence_BxG, gamma: int) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("the scheduler needs a drafter with a confidence head")
         if self.temperatures is not None and len(self.temperatures) != gamma:
             raise ValueError(f"{len(self.temperatures)} calibration temperatures for a drafter of γ={gamma}")
-        table = self._table(confidence_BxG.shape[0])
-        # A narrow width timed slower than a wider one is timing noise: it costs what the wider does.
-        seconds = np.minimum.accumulate(np.asarray([s for _, s in table])[::-1])[::-1]
         temperatures = None if self.temperatures is None else jnp.asarray(self.temperatures, jnp.float32)
-        return prefix_lengths(survival(confidence_BxG, temperatures), active_B, [w for w, _ in table], seconds.tolist())
+        return survival(confidence_BxG, temperatures)
+
+    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+        a = self._survival(confidence_BxG, gamma)
+        widths, seconds, _ = self._table(confidence_BxG.shape[0])
+        return prefix_lengths(a, active_B, widths, seconds)
+
+    def worth_drafting(self, confidence_BxG, active_B) -> jax.Array:
+        """Whether this round's drafts beat not drafting at all: Algorithm 1 run again with the
+        plain round's cost as the baseline admits something. The decoder asks it after a round
+        to decide whether the next rounds draft (a choice made before their drafts exist, so it
+        cannot bias which tokens are verified). True when the table has no plain cost."""
+        widths, seconds, plain = self._table(confidence_BxG.shape[0])
+        if plain is None:
+            return jnp.ones((), bool)
+        a = self._survival(confidence_BxG, confidence_BxG.shape[1])
+        return jnp.any(prefix_lengths(a, active_B, widths, seconds, baseline_cost=plain) > 0)

@@ -8,9 +8,12 @@ throughput the scheduler maximises is tokens per second of the whole round. Veri
 while timing (a forward's cost depends on its width, not on how many of its tokens count), so
 each round commits one token and the cache barely grows.
 
+A plain round (no draft, ℓ = 0: a target step through the narrowest verify program) is timed
+too, under width ``0``: it is what the decoder switches to while drafts do not pay.
+
 Files (``dspark profile --out``): JSON ``{"format": "dspark-jax-cost-table", "version": 1,
-"tables": {"<batch>": {"<width>": seconds}}, ...}`` plus the machine, drafter and settings
-it was timed with.
+"tables": {"<batch>": {"<width>": seconds}}, ...}`` (width ``"0"``: the plain round) plus the
+machine, drafter and settings it was timed with.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import bucket
 from dspark_jax.sampling import SamplingParams, request_keys
-from dspark_jax.scheduler.prefix import SchedulerPolicy
+from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy
 
 FORMAT = "dspark-jax-cost-table"
 VERSION = 1
@@ -44,7 +47,8 @@ def profile_round_costs(
     sampling: SamplingConfig | None = None,
     seed: int = 0,
 ) -> dict[int, float]:
-    """``{verify width: median seconds of a round}`` for ``decoder`` at ``batch`` rows.
+    """``{verify width: median seconds of a round}`` for ``decoder`` at ``batch`` rows, and under
+    ``PLAIN`` (0) the seconds of a round that skips the draft (a target step at the narrowest width).
 
     ``max_len`` is the cache length (part of the compiled shape, so time the one decoding will
     use); ``prompt_len`` random prompt tokens are prefilled first.
@@ -52,7 +56,7 @@ def profile_round_costs(
     if batch < 1 or repeats < 1 or prompt_len < 1:
         raise ValueError(f"batch, repeats and prompt_len must be >= 1, got {batch}, {repeats}, {prompt_len}")
     widths = decoder.verify_widths
-    rounds = (repeats + 1) * len(widths)  # one untimed warm-up round per width
+    rounds = (repeats + 1) * (len(widths) + 1)  # one untimed warm-up round per width and the plain one
     if prompt_len + rounds + widths[-1] > max_len:
         raise ValueError(f"max_len {max_len} cannot hold a {prompt_len}-token prompt and {rounds} profiling rounds")
     from dspark_jax.decoding.speculative import FixedPolicy, stop_id_array
@@ -71,13 +75,16 @@ def profile_round_costs(
         decoder._new_context(batch, max_len, decoder._feature_dtype),
         jnp.asarray(prompts), jnp.full((batch,), prompt_len, jnp.int32), keys, params,
     )
-    times = {w: [] for w in widths}
+    times = {w: [] for w in (PLAIN, *widths)}
+    block = None
     for repeat in range(repeats + 1):
-        for width in widths:
+        for width in times:
             start = time.perf_counter()
-            block, _, _ = decoder._draft(target.params, decoder.drafter_state, state, keys, params, active)
+            if width != PLAIN or block is None:
+                block, _, _ = decoder._draft(target.params, decoder.drafter_state, state, keys, params, active)
             _, state = decoder._verify(
-                target.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops, width=width
+                target.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
+                width=widths[0] if width == PLAIN else width,
             )
             jax.block_until_ready(state)
             if repeat > 0:
