@@ -415,8 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a few real prompts on the embedded target")
     demo.add_argument("--max-new-tokens", type=int, default=48)
-    # The scheduler (profiled on this machine, STS-calibrated) matched or beat the best hand-picked
-    # threshold (0.4) on every domain measured, with nothing tuned (docs/BENCHMARKS.md).
+    # The scheduler (profiled on this machine, STS-calibrated, with plain rounds) beat the best
+    # hand-picked threshold (0.4) on every domain measured, with nothing tuned (docs/BENCHMARKS.md).
     demo.add_argument("--policy", default="scheduler", help=POLICY_HELP.split("; default")[0] + "; default scheduler")
     demo.set_defaults(func=cmd_demo)
 

@@ -12,7 +12,8 @@ SmolLM2-135M-Instruct target with a shipped drafter, greedy:
 - per batch: target-only, then each policy, on the same prompts (best of ``--repeats``);
 - per (B, policy): decode throughput (generated tokens / decode seconds, pooled over batches),
   the ratio to target-only's at the same B, τ, the verify-width histogram, the mean verify
-  length, and whether greedy outputs equal target-only's token for token.
+  length, how many rounds skipped the draft (``plain_rounds``), and whether greedy outputs equal
+  target-only's token for token.
 
 Writes JSON (``--out``) and a PNG of throughput against B next to it; the last line printed is
 ``{"speedup": {"<policy>": {"<B>": ratio}}, "identical": ...}``.
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         return sum(max(len(t) - 1, 0) for t in result.tokens)
 
     totals = {name: {b: {"tokens": 0, "decode_s": 0.0, "accepted": [], "lengths": [], "widths": [],
-                         "identical": True} for b in args.batches} for name in ["target_only", *decoders]}
+                         "plain_rounds": 0, "identical": True} for b in args.batches} for name in ["target_only", *decoders]}
     for b in args.batches:
         for i in range(args.batches_per_size):
             batch = prompts[i * b:(i + 1) * b]
@@ -161,6 +162,7 @@ def main(argv=None) -> int:
                 entry["accepted"] += spec.accepted_per_round
                 entry["lengths"] += spec.verify_lengths
                 entry["widths"] += spec.verify_widths
+                entry["plain_rounds"] += spec.plain_rounds
                 entry["identical"] &= spec.tokens == base.tokens
             print(f"B={b} batch {i + 1}/{args.batches_per_size} done", file=sys.stderr)
 
@@ -180,6 +182,8 @@ def main(argv=None) -> int:
                     "tau": float(np.mean(accepted + 1)) if accepted.size else float("nan"),
                     "mean_verify_length": float(lengths.mean()) if lengths.size else float("nan"),
                     "width_histogram": {str(int(w)): int(c) for w, c in zip(widths, counts)},
+                    "rounds": len(e["widths"]),
+                    "plain_rounds": e["plain_rounds"],
                     "identical": e["identical"],
                 }
             results[name][str(b)] = row
