@@ -13,7 +13,10 @@ One round per call pair, all shapes static:
    committed token after it.
 
 The host picks ``W`` as the smallest bucket ``>= max ℓ + 1`` so that verifying fewer tokens costs
-less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen.
+less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen. With a
+policy that can tell when drafts do not pay (the scheduler's ``worth_drafting``), the host also
+runs *plain rounds*: target steps that skip the draft (ℓ = 0 for every row, decided before that
+round's drafts exist).
 """
 
 from __future__ import annotations
