@@ -382,7 +382,7 @@ def cmd_calibrate(args) -> int:
         decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
         stop_ids=[tokenizer.eos_token_id], seed=args.seed)
     fitted = calibrate.fit_sts(logits, accepted)
-    mode = calibrate.mode_of(sampling)
+    mode = calibrate.mode_of(sampling.greedy)
     path = calibrate.save_calibration(directory, mode, fitted, drafter=name, prompts=args.prompts,
                                       data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                                       sampling=dataclasses.asdict(sampling))

@@ -94,13 +94,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import numpy as np
 
+    from dspark_jax.checkpoints.drafter import read_drafter_config
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
-    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
-    from dspark_jax.eval.compare import json_clean
-    from dspark_jax.scheduler.profile import policy_summary, profiled
+    from dspark_jax.eval.compare import json_clean, make_decoder
+    from dspark_jax.scheduler.profile import policy_summary
 
     policies = [(text, parse_policy_arg(text)) for text in args.policy]
     check_drafter_arg(args.drafter)
@@ -113,19 +114,20 @@ def main(argv=None) -> int:
     limit = target.cfg.max_position_embeddings
     max_len_ar = cache_len([len(p) for p in prompts], args.max_new_tokens, limit)
 
+    # Every decoder reserves room for its widest verify forward: γ + 1 for fixed:K and the
+    # default buckets alike (checked below), so one cache length serves them all.
+    slack = read_drafter_config(resolve_drafter(args.drafter)[1])[0].block_size + 1
+    max_len_spec = cache_len([len(p) for p in prompts], args.max_new_tokens, limit, slack)
     decoders = {}
     for text, policy in policies:
         _, drafter, chosen, note = load_drafter_arg(args.drafter, target, policy)
         if note:
             print(f"note: {text}: {note}", file=sys.stderr)
-        widths = getattr(chosen, "widths", None) or (1, 2, 4, 8)
-        if isinstance(chosen, FixedPolicy):
-            widths = (min(chosen.k, drafter.cfg.block_size) + 1,)
-        decoders[text] = SpeculativeDecoder(target, drafter, policy=chosen, verify_widths=widths)
-    max_len_spec = cache_len([len(p) for p in prompts], args.max_new_tokens, limit,
-                             max(d.slack for d in decoders.values()))
-    # A scheduler without a table is timed now, at every B, on the cache length decoding will use.
-    decoders = {n: profiled(d, tuple(args.batches), max_len=max_len_spec) for n, d in decoders.items()}
+        # A scheduler without a table is timed here, at every B, on the cache length decoding uses.
+        decoders[text] = make_decoder(target, drafter, chosen, profile_batches=args.batches,
+                                      profile_max_len=max_len_spec)
+        if decoders[text].slack != slack:
+            raise SystemExit(f"--policy {text}: verifies up to {decoders[text].slack} tokens a row, not γ + 1 = {slack}")
     baseline = AutoregressiveGenerator(target)
 
     t0 = time.perf_counter()

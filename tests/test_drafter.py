@@ -85,6 +85,17 @@ def test_gradients_reach_every_drafter_parameter_but_not_the_frozen_head(kind, r
         np.testing.assert_allclose(loss, metrics["ce"], rtol=1e-6)
 
 
+def grads_of_same_objective(before, after, embed, data):
+    """Assert ``after`` (a function-preserving rebuild of ``before``) has the same loss and metrics
+    bit for bit; returns ``after``'s parameter gradients."""
+    loss, metrics, _ = loss_and_grads(before, embed, data)
+    after_loss, after_metrics, (grads, *_) = loss_and_grads(after, embed, data)
+    assert float(after_loss) == float(loss)
+    for name in metrics:
+        np.testing.assert_array_equal(after_metrics[name], metrics[name], err_msg=name)
+    return grads
+
+
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_a_deepened_drafter_drafts_as_before_and_trains_its_new_layer(kind):
     cfg, drafter = make(kind, reduced=True)
@@ -92,13 +103,8 @@ def test_a_deepened_drafter_drafts_as_before_and_trains_its_new_layer(kind):
     drafter.init_draft_head(embed)
     deeper = drafter.deepened(3, seed=1)
     assert deeper.cfg.backbone.num_layers == 3 and drafter.cfg.backbone.num_layers == 1
-    data = batch(cfg)
-    shallow_loss, shallow_metrics, _ = loss_and_grads(drafter, embed, data)
-    loss, metrics, (grads, *_) = loss_and_grads(deeper, embed, data)
     # The appended layers add exact zeros to the residual stream: same objective, bit for bit.
-    assert float(loss) == float(shallow_loss)
-    for name in shallow_metrics:
-        np.testing.assert_array_equal(metrics[name], shallow_metrics[name], err_msg=name)
+    grads = grads_of_same_objective(drafter, deeper, embed, batch(cfg))
     # The first step moves every new output projection (the rest of a new layer follows once they
     # are non-zero), and the old layer keeps its weights.
     for new in (1, 2):
@@ -146,13 +152,8 @@ def test_a_gated_markov_head_from_a_vanilla_one_scores_as_before_and_trains_its_
     drafter.init_draft_head(embed)
     gated = drafter.gated_markov()
     assert gated.cfg.markov_head == "gated" and drafter.cfg.markov_head == "vanilla"
-    data = batch(cfg)
-    loss, metrics, _ = loss_and_grads(drafter, embed, data)
-    gated_loss, gated_metrics, (grads, *_) = loss_and_grads(gated, embed, data)
     # ½ and 2 are powers of two: the same bias, bit for bit.
-    assert float(gated_loss) == float(loss)
-    for name in metrics:
-        np.testing.assert_array_equal(gated_metrics[name], metrics[name], err_msg=name)
+    grads = grads_of_same_objective(drafter, gated, embed, batch(cfg))
     # The gate's weights see h and W1[x] from the first step on.
     assert np.abs(np.asarray(grads["markov"]["gate"]["weight"][...])[:, :cfg.hidden_size]).max() > 0
     np.testing.assert_array_equal(gated.markov.w1[...], drafter.markov.w1[...])

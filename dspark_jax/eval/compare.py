@@ -83,14 +83,14 @@ def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
 
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
     from dspark_jax.scheduler.prefix import SchedulerPolicy
-    from dspark_jax.training.calibrate import read_temperatures
+    from dspark_jax.training.calibrate import mode_of, read_temperatures
 
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
         gamma = drafter_cfg.block_size
         asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
     if isinstance(policy, SchedulerPolicy) and policy.temperatures is None:
-        mode = "greedy" if greedy else "sampled"
+        mode = mode_of(greedy)
         temperatures = None if directory is None else read_temperatures(directory, mode)
         if temperatures is None:
             return policy, f"no {mode} calibration for this drafter (dspark calibrate): the scheduler uses raw confidences"
@@ -98,13 +98,14 @@ def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
     return policy, None
 
 
-def make_decoder(target, drafter, policy, *, profile_max_len: int = 256):
+def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1,), profile_max_len: int = 256):
     """A decoder for ``policy`` (None: the decoder's default).
 
     A fixed policy verifies the same number of drafts every round, so only that one verify width
     is ever used: the decoder gets just it (plus the full-block width it always adds) and its
     warm-up compiles nothing else. Other policies keep the default width buckets. A scheduler
-    policy without a cost table is profiled here, at B=1 with a ``profile_max_len`` cache.
+    policy without a cost table is profiled here, at each of ``profile_batches`` with a
+    ``profile_max_len`` cache.
     """
     import inspect
 
@@ -119,7 +120,7 @@ def make_decoder(target, drafter, policy, *, profile_max_len: int = 256):
         kwargs["verify_widths"] = (min(policy.k, drafter.cfg.block_size) + 1,)
     if getattr(policy, "widths", None):
         kwargs["verify_widths"] = policy.widths
-    return profiled(SpeculativeDecoder(target, drafter, **kwargs), (1,), max_len=profile_max_len)
+    return profiled(SpeculativeDecoder(target, drafter, **kwargs), tuple(profile_batches), max_len=profile_max_len)
 
 
 # --------------------------------------------------------------------------------------------

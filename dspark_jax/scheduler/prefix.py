@@ -152,12 +152,19 @@ class SchedulerPolicy:
         return prefix_lengths(a, active_B, widths, seconds)
 
     def worth_drafting(self, confidence_BxG, active_B) -> jax.Array:
-        """Whether this round's drafts beat not drafting at all: Algorithm 1 run again with the
-        plain round's cost as the baseline admits something. The decoder asks it after a round
-        to decide whether the next rounds draft (a choice made before their drafts exist, so it
-        cannot bias which tokens are verified). True when the table has no plain cost."""
+        """Whether this round's drafts beat not drafting at all: whether Algorithm 1, with the
+        plain round's cost as the "verify nothing" baseline, admits anything. The decoder asks
+        after a round, to decide whether the next rounds draft (a choice made before their drafts
+        exist, so it cannot bias which tokens are verified). True when the table has no plain cost.
+
+        Only the first admission depends on the baseline, and the first candidate is always the
+        best first draft (``a_{r,1} ≥ a_{r,j}``), so this is one comparison: no sort.
+        """
         widths, seconds, plain = self._table(confidence_BxG.shape[0])
         if plain is None:
             return jnp.ones((), bool)
-        a = self._survival(confidence_BxG, confidence_BxG.shape[1])
-        return jnp.any(prefix_lengths(a, active_B, widths, seconds, baseline_cost=plain) > 0)
+        a_1 = jnp.where(active_B, self._survival(confidence_BxG, confidence_BxG.shape[1])[:, 0], 0.0)
+        requests = jnp.sum(active_B.astype(jnp.float32))
+        one_draft = seconds[next(i for i, w in enumerate(widths) if w >= 2)]
+        # (requests + a) / one_draft > requests / plain, multiplied out as in prefix_lengths.
+        return jnp.max(a_1) * plain > requests * (one_draft - plain)

@@ -30,8 +30,9 @@ ECE_BINS = 20  # DeepSpec's reporting bins (spec §3.4)
 GRID = np.geomspace(0.25, 8.0, 301)
 
 
-def mode_of(sampling) -> str:
-    return "greedy" if sampling.greedy else "sampled"
+def mode_of(greedy: bool) -> str:
+    """The calibration entry for greedy or sampled decoding."""
+    return "greedy" if greedy else "sampled"
 
 
 def prefix_labels(accepted_N: np.ndarray, gamma: int) -> np.ndarray:
