@@ -393,13 +393,20 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from dspark_jax.training.train import load_config, run
+    from dspark_jax.training.train import LOG_FILE, load_config, run, run_budgeted
 
-    config = load_config(args.config)
+    if args.out_dir is not None and len(args.config) > 1:
+        raise SystemExit("dspark train: --out-dir names one run's directory; give one --config with it")
+    if args.budget_s is not None and args.steps is not None:
+        raise SystemExit("dspark train: --budget-s chooses the steps; do not give --steps with it")
     overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps)) if v is not None}
-    config = dataclasses.replace(config, **overrides)
-    out = run(config)
-    print(f"drafter written to {out}; per-step log in {Path(config.out_dir) / 'log.jsonl'}")
+    configs = [dataclasses.replace(load_config(path), **overrides) for path in args.config]
+    if args.budget_s is not None:
+        outs = run_budgeted(configs, args.budget_s, data_fraction=args.data_fraction)
+    else:
+        outs = [run(config) for config in configs]
+    for config, out in zip(configs, outs):
+        print(f"drafter written to {out}; per-step log in {Path(config.out_dir) / LOG_FILE}")
     return 0
 
 
@@ -473,9 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     train = sub.add_parser("train", help="build the target cache and train a drafter (resumes if interrupted)")
-    train.add_argument("--config", required=True, help="a config file defining CONFIG = TrainConfig(...), e.g. configs/tiny_test.py")
-    train.add_argument("--out-dir", default=None, help="override the config's out_dir")
+    train.add_argument("--config", required=True, action="append",
+                       help="a config file defining CONFIG = TrainConfig(...), e.g. configs/tiny_test.py; repeat it "
+                            "to train several drafters, one after another")
+    train.add_argument("--out-dir", default=None, help="override the config's out_dir (one --config only)")
     train.add_argument("--steps", type=int, default=None, help="override the config's step count")
+    train.add_argument("--budget-s", type=float, default=None,
+                       help="train every --config on one data set within this many seconds of wall time, with "
+                            "equal steps: the cache is built for --data-fraction of it, then each step is timed "
+                            "and the steps are what the rest affords (replaces the configs' steps)")
+    train.add_argument("--data-fraction", type=float, default=0.3,
+                       help="with --budget-s: the share of the budget the target cache may take (default 0.3)")
     train.set_defaults(func=cmd_train)
     return parser
 

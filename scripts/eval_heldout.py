@@ -110,10 +110,17 @@ def parse_args(argv):
     return args
 
 
+# Sequences scored per batch: what the CPU legs trained with. Only whole batches are scored, so
+# a run's own (an accelerator config's 64) would leave most of a held-out set out.
+SCORE_BATCH = 8
+
+
 def drafter_legs(config, last: int | None = None):
-    """(name, exported drafter dir, config) of ``config``'s legs (the ``last`` ones), first leg first."""
+    """(name, exported drafter dir, config) of ``config``'s legs (the ``last`` ones), first leg
+    first; the configs score ``SCORE_BATCH`` sequences a batch at most."""
     legs = config.legs if last is None else config.legs[-last:]
-    return [(leg.name, Path(leg.out_dir) / "drafter", leg) for leg in legs]
+    return [(leg.name, Path(leg.out_dir) / "drafter", dataclasses.replace(leg, batch_size=min(leg.batch_size, SCORE_BATCH)))
+            for leg in legs]
 
 
 def benchmark_prompts(directory, per_domain: int, skip: int) -> list:
@@ -190,6 +197,7 @@ def main(argv=None) -> int:
     from dspark_jax.eval.compare import json_clean
     from dspark_jax.training.losses import greedy_chains
     from dspark_jax.training.train import (
+        batch_completer,
         build_heldout_cache,
         load_config,
         load_target,
@@ -206,10 +214,13 @@ def main(argv=None) -> int:
         if any(getattr(config, f) != getattr(first, f) for f in data):
             raise ValueError(f"{config.name} was trained on other data than {first.name}: evaluate them separately")
     target, tokenizer = load_target(first)
-    answers = first.cache
+    # Held-out answers keep their features (a few MB), which the replay reads, even for drafters
+    # trained from a cache of token ids; training sequences of such a cache get them computed.
+    answers = dataclasses.replace(first.cache, store_features=True)
     if args.temperature is not None:
         answers = dataclasses.replace(answers, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    heldout_config = dataclasses.replace(first, heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
+    heldout_config = dataclasses.replace(first, batch_size=min(first.batch_size, SCORE_BATCH),
+                                         heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
                                          heldout_mix=args.mix, heldout_cache_dir=args.cache_dir, cache=answers)
     prompts = None if args.benchmarks is None else benchmark_prompts(args.benchmarks, args.num_prompts // 3, args.benchmark_skip)
     heldout = build_heldout_cache(heldout_config, target, tokenizer, prompts=prompts)
@@ -227,6 +238,7 @@ def main(argv=None) -> int:
         rows = np.random.default_rng(0).choice(len(training), len(heldout), replace=False)
         training = [training[i] for i in rows]
     embed, head = jax.jit(target.embedding_and_head)(target.params)
+    complete = batch_completer(target, first.cache.tap_layers)
 
     results, kinds, replayed = {}, {}, {}
     for config in configs:
@@ -235,8 +247,13 @@ def main(argv=None) -> int:
                 print(f"{name}: no exported drafter at {directory}, skipped", file=sys.stderr)
                 continue
             drafter = load_drafter(directory, target=target.cfg)
-            # One compiled scorer per drafter, for both sets (their batches have one shape).
-            score = jax.jit(lambda batch, drafter=drafter, leg=leg: objective(drafter, leg, batch, embed, head)[1])
+            # One compiled scorer per drafter and kind of batch (with features, or token ids).
+            scorer = jax.jit(lambda batch, target_params, drafter=drafter, leg=leg: objective(
+                drafter, leg, complete(target_params, batch), embed, head)[1])
+
+            def score(batch, scorer=scorer):
+                return scorer(batch, target.params)
+
             results[name] = {"drafter": str(directory), "heldout": mean_metrics(score, leg, heldout),
                              "heldout_domains": domain_metrics(score, leg, heldout)}
             if training is not None:

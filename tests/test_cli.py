@@ -260,3 +260,30 @@ def test_eval_heldout_reads_benchmark_prompts_past_the_skip():
     assert prompts[0].text == second_gsm8k and prompts[0].domain == "math"
     with pytest.raises(ValueError, match="fewer than 2"):
         script.benchmark_prompts(fixtures, per_domain=2, skip=1)
+
+
+# --------------------------------------------------------------------------------------------
+# dspark train with several configs / a budget, and the target file outside the package
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "a.py", "--config", "b.py", "--out-dir", "x"], "--out-dir names one run's directory"),
+    (["--config", "a.py", "--budget-s", "60", "--steps", "5"], "--budget-s chooses the steps"),
+])
+def test_train_rejects_contradictory_options(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["train", *argv])
+
+
+def test_the_embedded_target_file_can_be_named_by_a_variable(monkeypatch, tmp_path):
+    from dspark_jax.checkpoints.gguf import EMBEDDED_PATH_VARIABLE, embedded_gguf_path
+
+    packaged = embedded_gguf_path()
+    monkeypatch.setenv(EMBEDDED_PATH_VARIABLE, str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="missing.gguf, which is not a file"):
+        embedded_gguf_path()
+    copy = tmp_path / "copy.gguf"
+    copy.symlink_to(packaged)
+    monkeypatch.setenv(EMBEDDED_PATH_VARIABLE, str(copy))
+    assert embedded_gguf_path() == copy

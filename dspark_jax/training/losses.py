@@ -398,6 +398,9 @@ class TrainBatch(NamedTuple):
     # The target's full-vocabulary logsumexp per position (target cache ``lse``), or None. With
     # it, target logits are computed over the draft vocabulary only (see ``block_losses``).
     target_lse_BxS: jnp.ndarray | None = None
+    # int32 real tokens per row (the rest is padding): what the target reads to compute the
+    # three per-token arrays above when the cache holds token ids alone (train.batch_completer).
+    lengths_B: jnp.ndarray | None = None
 
 
 def _teacher_forced_blocks(drafter, embed_VxD, batch: TrainBatch):

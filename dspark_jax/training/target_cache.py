@@ -11,6 +11,11 @@ One teacher-forced pass over ``prompt + response`` then records, per token:
   drafter with a reduced head needs target logits only over its draft vocabulary: the target
   mass outside it is ``1 − Σ_in p``, exactly, without a ``[tokens, V]`` product per step.
 
+A cache built with ``store_features=False`` keeps only the token ids and loss masks (5 bytes a
+token): training then computes the three per-token arrays above on the fly with the frozen target
+(``teacher_forced``, the same function), which on an accelerator costs less than writing and
+reading 6.9 KB a token, and leaves the data set bounded by generation alone.
+
 Format: a directory with ``manifest.json`` (what produced the cache; a resumed run must match
 it) and ``shard-NNNNN.safetensors`` + ``shard-NNNNN.json`` per ``shard_size`` prompts. A shard
 holds its sequences concatenated (``offsets`` delimits them); floats are bfloat16, the same
@@ -29,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +69,8 @@ class CacheSpec:
     min_response_tokens: int = 8
     shard_size: int = 64
     batch_size: int = 16
+    # False: token ids and loss masks only; training computes the features (module doc).
+    store_features: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
@@ -91,8 +99,10 @@ def _prompt_digest(prompt_ids: Sequence[Sequence[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _teacher_forced_fn(target: TargetModel, tap_layers: tuple[int, ...]):
-    """Jitted ``tokens -> (features, bf16 hidden, lse)`` over right-padded sequences."""
+def teacher_forced(target: TargetModel, tap_layers: tuple[int, ...]):
+    """The pure function ``(params, tokens_BxS, lens_B) -> (features, hidden, lse)`` over
+    right-padded sequences: what the cache stores per token (bf16 features and hidden state,
+    float32 lse), and what training computes from a cache of token ids alone."""
     last = target.cfg.num_layers - 1
     taps = tuple(tap_layers) + (last,)
 
@@ -112,7 +122,7 @@ def _teacher_forced_fn(target: TargetModel, tap_layers: tuple[int, ...]):
 
         return features.astype(jnp.bfloat16), hidden, jax.lax.map(row_lse, hidden)
 
-    return jax.jit(run)
+    return run
 
 
 class TargetCacheWriter:
@@ -123,7 +133,7 @@ class TargetCacheWriter:
         self.target, self.spec, self.dir = target, spec, Path(out_dir)
         self.stop_ids = tuple(int(s) for s in stop_ids)
         self.generator = AutoregressiveGenerator(target)
-        self.teacher_forced = _teacher_forced_fn(target, spec.tap_layers)
+        self.teacher_forced = jax.jit(teacher_forced(target, spec.tap_layers))
         # One decode cache length for every batch: the decode step compiles once.
         self.max_len = cache_len([spec.max_prompt_tokens], spec.max_new_tokens, target.cfg.max_position_embeddings)
 
@@ -149,7 +159,7 @@ class TargetCacheWriter:
         if not path.exists():
             self._write_manifest(manifest)
             return manifest["num_shards"]
-        existing = json.loads(path.read_text())
+        existing = _with_spec_defaults(json.loads(path.read_text()))
         keys = (set(existing) | set(manifest)) - {"grown_from"}
         changed = sorted(k for k in keys if existing.get(k) != manifest.get(k))
         if not changed:
@@ -193,10 +203,14 @@ class TargetCacheWriter:
 
     def build(
         self, prompt_ids: Sequence[Sequence[int]], prompt_names: Sequence[str], *, progress: bool = True,
-        num_shards: int | None = None,
+        num_shards: int | None = None, deadline: float | None = None,
     ) -> int:
         """Write every missing shard of these prompts (only the first ``num_shards`` when given);
-        returns how many shards they span, which is what ``load_target_cache`` should read."""
+        returns how many shards they span, which is what ``load_target_cache`` should read.
+
+        With a ``deadline`` (a ``time.monotonic()`` value) no shard is started after it: the
+        cache is then complete up to some shard, which ``complete_shards`` counts, and a later
+        build resumes it."""
         if len(prompt_ids) != len(prompt_names):
             raise ValueError("need one name per prompt")
         too_long = [n for n, p in zip(prompt_names, prompt_ids) if len(p) > self.spec.max_prompt_tokens]
@@ -215,6 +229,8 @@ class TargetCacheWriter:
         # `initial` shows a resumed build's progress at once (an update() this early is not drawn).
         bar = tqdm(total=total, initial=done, desc="target cache", disable=not progress, unit="prompt")
         for shard in todo:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             lo = shard * size
             self._write_shard(shard, prompt_ids[lo : lo + size], prompt_names[lo : lo + size], lo)
             bar.update(len(prompt_ids[lo : lo + size]))
@@ -249,7 +265,9 @@ class TargetCacheWriter:
         kept = [i for i, r in enumerate(responses) if len(r) >= spec.min_response_tokens]
         sequences = [list(prompts[i]) + responses[i] for i in kept]
         arrays = {k: [] for k in ("input_ids", "loss_mask", "features", "hidden", "lse")}
-        for lo in range(0, len(sequences), spec.batch_size):
+        if not spec.store_features:
+            arrays["input_ids"] = [np.asarray(seq, np.int32) for seq in sequences]
+        for lo in range(0, len(sequences) if spec.store_features else 0, spec.batch_size):
             chunk = sequences[lo : lo + spec.batch_size]
             lens = np.asarray([len(s) for s in chunk], np.int32)
             width = bucket(int(lens.max()), 64)
@@ -275,11 +293,13 @@ class TargetCacheWriter:
         tensors = {
             "input_ids": _cat(arrays["input_ids"], np.int32, (0,)),
             "loss_mask": _cat(arrays["loss_mask"], np.uint8, (0,)),
-            "features": _cat(arrays["features"], ml_dtypes.bfloat16, (0, len(spec.tap_layers) * self.target.cfg.hidden_size)),
-            "hidden": _cat(arrays["hidden"], ml_dtypes.bfloat16, (0, self.target.cfg.hidden_size)),
-            "lse": _cat(arrays["lse"], np.float32, (0,)),
             "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         }
+        if spec.store_features:
+            d = self.target.cfg.hidden_size
+            tensors["features"] = _cat(arrays["features"], ml_dtypes.bfloat16, (0, len(spec.tap_layers) * d))
+            tensors["hidden"] = _cat(arrays["hidden"], ml_dtypes.bfloat16, (0, d))
+            tensors["lse"] = _cat(arrays["lse"], np.float32, (0,))
         meta = {
             "shard": shard,
             "prompt_names": [names[i] for i in kept],
@@ -306,14 +326,29 @@ def shard_done(directory, shard: int) -> bool:
     return stem.with_suffix(".json").exists() and stem.with_suffix(".safetensors").exists()
 
 
+def complete_shards(directory, num_shards: int) -> int:
+    """How many of the first ``num_shards`` shards are complete, counting from the first."""
+    return next((i for i in range(num_shards) if not shard_done(directory, i)), num_shards)
+
+
 @dataclasses.dataclass
 class CachedSequence:
     name: str
     input_ids: np.ndarray  # [S] int32
     loss_mask: np.ndarray  # [S] uint8: 1 on response tokens
-    features: np.ndarray  # [S, m·d] bfloat16
-    hidden: np.ndarray  # [S, d] bfloat16
-    lse: np.ndarray  # [S] float32
+    # None in a cache without features (``CacheSpec.store_features=False``)
+    features: np.ndarray | None  # [S, m·d] bfloat16
+    hidden: np.ndarray | None  # [S, d] bfloat16
+    lse: np.ndarray | None  # [S] float32
+
+
+def _with_spec_defaults(manifest: dict) -> dict:
+    """A manifest written before a ``CacheSpec`` field existed describes a cache built with that
+    field's default (so an older cache still resumes and grows)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(CacheSpec) if f.default is not dataclasses.MISSING}
+    if "spec" in manifest:
+        manifest = {**manifest, "spec": {**defaults, **manifest["spec"]}}
+    return manifest
 
 
 def read_manifest(directory) -> dict:
@@ -323,7 +358,7 @@ def read_manifest(directory) -> dict:
     manifest = json.loads(path.read_text())
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest")
-    return manifest
+    return _with_spec_defaults(manifest)
 
 
 def load_target_cache(directory, num_shards: int | None = None) -> list[CachedSequence]:
@@ -348,5 +383,6 @@ def load_target_cache(directory, num_shards: int | None = None) -> list[CachedSe
         off = t["offsets"]
         for i, name in enumerate(meta["prompt_names"]):
             s = slice(int(off[i]), int(off[i + 1]))
-            out.append(CachedSequence(name, t["input_ids"][s], t["loss_mask"][s], t["features"][s], t["hidden"][s], t["lse"][s]))
+            per_token = [t[k][s] if k in t else None for k in ("features", "hidden", "lse")]
+            out.append(CachedSequence(name, t["input_ids"][s], t["loss_mask"][s], *per_token))
     return out

@@ -51,7 +51,9 @@ from dspark_jax.training.target_cache import (
     CachedSequence,
     CacheSpec,
     TargetCacheWriter,
+    complete_shards,
     load_target_cache,
+    teacher_forced,
 )
 
 LOG_FILE = "log.jsonl"
@@ -254,24 +256,48 @@ class BatchSource:
         return order[index * self.cfg.batch_size : (index + 1) * self.cfg.batch_size]
 
     def batch(self, step: int) -> TrainBatch:
+        """Step ``step``'s sequences, truncated or padded to ``seq_len``, with their anchors; from a
+        cache without features, the per-token target arrays are None (``batch_completer``)."""
         cfg = self.cfg
         s, b = cfg.seq_len, cfg.batch_size
         first = self.seqs[0]
+        cached = first.features is not None
         ids = np.zeros((b, s), np.int32)
         mask = np.zeros((b, s), np.uint8)
-        feats = np.zeros((b, s, first.features.shape[1]), first.features.dtype)
-        hidden = np.zeros((b, s, first.hidden.shape[1]), first.hidden.dtype)
-        lse = np.zeros((b, s), np.float32)
+        lengths = np.zeros(b, np.int32)
+        if cached:
+            feats = np.zeros((b, s, first.features.shape[1]), first.features.dtype)
+            hidden = np.zeros((b, s, first.hidden.shape[1]), first.hidden.dtype)
+            lse = np.zeros((b, s), np.float32)
         anchors = np.zeros((b, cfg.num_anchors), np.int32)
         keep = np.zeros((b, cfg.num_anchors), bool)
         rng = np.random.default_rng([cfg.seed, 1, step])
         for row, index in enumerate(self.rows(step)):
             seq = self.seqs[index]
-            n = min(len(seq.input_ids), s)
+            n = lengths[row] = min(len(seq.input_ids), s)
             ids[row, :n], mask[row, :n] = seq.input_ids[:n], seq.loss_mask[:n]
-            feats[row, :n], hidden[row, :n], lse[row, :n] = seq.features[:n], seq.hidden[:n], seq.lse[:n]
+            if cached:
+                feats[row, :n], hidden[row, :n], lse[row, :n] = seq.features[:n], seq.hidden[:n], seq.lse[:n]
             anchors[row], keep[row] = sample_anchors(mask[row, :n], cfg.num_anchors, rng)
-        return TrainBatch(ids, mask, feats, hidden, anchors, keep, lse)
+        if not cached:
+            feats = hidden = lse = None
+        return TrainBatch(ids, mask, feats, hidden, anchors, keep, lse, lengths)
+
+
+def batch_completer(target, tap_layers: tuple[int, ...]):
+    """``(target params, batch) -> batch`` with the target's per-token arrays: a batch from a cache
+    of token ids alone (``CacheSpec.store_features=False``) gets them from the frozen target, by
+    the function that fills a cache (``teacher_forced``), so both kinds of cache give the same
+    batch; a batch that has them is returned as it is (and the params may be None)."""
+    forward = teacher_forced(target, tap_layers)
+
+    def complete(target_params, batch: TrainBatch) -> TrainBatch:
+        if batch.features_BxSxF is not None:
+            return batch
+        features, hidden, lse = forward(target_params, batch.input_ids_BxS, batch.lengths_B)
+        return batch._replace(features_BxSxF=features, target_hidden_BxSxD=hidden, target_lse_BxS=lse)
+
+    return complete
 
 
 # ------------------------------------------------------------------------------------------
@@ -288,10 +314,13 @@ def schedule(config: TrainConfig) -> optax.Schedule:
 
 
 def optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    # AdamW with torch's defaults and no weight decay, as DeepSpec trains (spec §5.5).
+    """AdamW with torch's defaults and no weight decay, as DeepSpec trains (spec §5.5), less the
+    learning rate: the step scales by ``schedule(config)(step)``, passed in as a number, so the
+    compiled step does not depend on the run's length (``run_budgeted`` times a step before it
+    knows how many it can afford)."""
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(schedule(config), b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0),
+        optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
     )
 
 
@@ -307,13 +336,17 @@ def objective(drafter, config: TrainConfig, batch: TrainBatch, embed, head):
     return drafter_loss(drafter, embed, head, batch, chunk_size=config.anchor_chunk)
 
 
-def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation):
+def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation, complete):
+    """The jitted ``(params, opt_state, rest, batch, embed, head, target_params, lr) -> (params,
+    opt_state, metrics)``; ``complete`` is the run's ``batch_completer``."""
     def loss_fn(params, rest, batch, embed, head):
         return objective(nnx.merge(graphdef, params, rest), config, batch, embed, head)
 
-    def step(params, opt_state, rest, batch, embed, head):
+    def step(params, opt_state, rest, batch, embed, head, target_params, lr):
+        batch = complete(target_params, batch)
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, embed, head)
         updates, opt_state = tx.update(grads, opt_state, params)
+        updates = jax.tree.map(lambda u: -lr * u, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -378,9 +411,11 @@ def training_prompts(config: TrainConfig) -> list:
     return prompts
 
 
-def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True) -> list[str]:
+def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True,
+                deadline: float | None = None) -> list[str]:
     """Build or resume (or grow) the config's target cache; returns the ids of the prompts this
-    config trains on (what ``load_training_set`` takes)."""
+    config trains on (what ``load_training_set`` takes). With a ``deadline`` the build stops
+    early (``TargetCacheWriter.build``), and the cache is complete up to ``complete_shards``."""
     from dspark_jax.training.data import check_against_benchmarks
 
     prompts = training_prompts(config)
@@ -390,7 +425,7 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
     writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
-    writer.build(ids, names, progress=progress, num_shards=config.cache_shards)
+    writer.build(ids, names, progress=progress, num_shards=config.cache_shards, deadline=deadline)
     return _within_cache_shards(config, names)
 
 
@@ -437,7 +472,9 @@ def build_heldout_cache(config: TrainConfig, target, tokenizer, *, prompts=None,
     the first ``config.heldout_prompts`` that fit), cached like the training set's (resumable)."""
     ids, names = render_prompts(config, heldout_prompts(config) if prompts is None else prompts, tokenizer)
     ids, names = ids[: config.heldout_prompts], names[: config.heldout_prompts]
-    spec = dataclasses.replace(config.cache, shard_size=min(config.cache.shard_size, 16))
+    # Small shards, and no batch wider than one (an accelerator config's 512 rows would be padding).
+    shard = min(config.cache.shard_size, 16)
+    spec = dataclasses.replace(config.cache, shard_size=shard, batch_size=min(config.cache.batch_size, shard))
     TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id]).build(
         ids, names, progress=progress)
     sequences = load_target_cache(config.heldout_cache_path)
@@ -510,73 +547,131 @@ def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, see
     return drafter
 
 
+class Trainer:
+    """One drafter's run: its parameters and optimizer state on a device mesh (resumed from the
+    newest checkpoint in ``out_dir``), the compiled step, and the loop. ``train`` is
+    ``Trainer(...).run(...)``; ``run_budgeted`` first times ``step_seconds`` of several to choose
+    how many steps they all get."""
+
+    def __init__(self, config: TrainConfig, target, sequences, *, heldout=None):
+        self.config, self.heldout = config, heldout
+        self.out = Path(config.out_dir).absolute()
+        cfg = drafter_config(config, target.cfg)
+        embed, head = jax.jit(target.embedding_and_head)(target.params)
+        if config.init_dir is not None:
+            drafter = warm_start(config.init_dir, cfg, target.cfg, seed=config.seed)
+        else:
+            drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
+            if drafter.draft_head is not None:
+                drafter.init_draft_head(head)
+        self.graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
+        self.tx = optimizer(config)
+
+        mesh = make_mesh(config.data_parallel)
+        if config.batch_size % mesh.size:
+            raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} data-parallel devices")
+        replicated = NamedSharding(mesh, PartitionSpec())
+        self.by_row = NamedSharding(mesh, PartitionSpec("data"))
+        self.params, self.rest, self.embed, self.head = jax.device_put((params, rest, embed, head), replicated)
+        self.opt_state = jax.device_put(self.tx.init(self.params), replicated)
+        # Only a cache without features needs the target itself in the step.
+        self.target_params = None if sequences[0].features is not None else jax.device_put(target.params, replicated)
+
+        self.manager = ocp.CheckpointManager(
+            self.out / "checkpoints",
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=config.checkpoint_every, create=True),
+        )
+        self.start = self.manager.latest_step() or 0
+        if self.start:
+            restored = self.manager.restore(
+                self.start, args=ocp.args.StandardRestore({"params": self.params, "opt_state": self.opt_state}))
+            self.params, self.opt_state = restored["params"], restored["opt_state"]
+
+        self.source = BatchSource(sequences, config)
+        complete = batch_completer(target, config.cache.tap_layers)
+        self.step_fn = make_train_step(self.graphdef, config, self.tx, complete)
+        graphdef = self.graphdef
+        self.score = jax.jit(lambda params, rest, batch, embed, head, target_params: objective(
+            nnx.merge(graphdef, params, rest), config, complete(target_params, batch), embed, head)[1])
+
+    def _step(self, params, opt_state, step: int, lr: float):
+        batch = jax.device_put(self.source.batch(step), self.by_row)
+        return self.step_fn(params, opt_state, self.rest, batch, self.embed, self.head, self.target_params,
+                            np.float32(lr))
+
+    def step_seconds(self, repeats: int = 3) -> float:
+        """Median wall time of one step (its batch assembled and sent included) after the first,
+        which compiles; run on copies, so the run's own state does not move."""
+        params, opt_state = jax.tree.map(lambda x: x.copy(), (self.params, self.opt_state))
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            params, opt_state, metrics = self._step(params, opt_state, self.start + i, 0.0)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    def run(self, *, steps: int | None = None, stop_after: int | None = None, progress: bool = True):
+        """Train to ``steps`` (default: the config's); returns the trained drafter, or None when
+        ``stop_after`` interrupted the run (what a kill looks like, for tests). With held-out
+        sequences, every ``heldout_every``-th step and the last also log their τ and loss."""
+        config = self.config if steps is None else dataclasses.replace(self.config, steps=steps)
+        params, opt_state, start = self.params, self.opt_state, self.start
+        log_path = self.out / LOG_FILE
+        kept = _read_log(log_path, start)
+        log_path.write_text("".join(line + "\n" for line in kept))
+        lr = schedule(config)
+        bar = tqdm(total=config.steps, initial=start, desc=f"train {config.name}", disable=not progress)
+        with log_path.open("a") as log:
+            for step in range(start, config.steps):
+                t0 = time.perf_counter()
+                params, opt_state, metrics = self._step(params, opt_state, step, lr(step))
+                record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
+                done = step + 1
+                if self.heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
+                    scored = mean_metrics(lambda b, params=params: self.score(
+                        params, self.rest, jax.device_put(b, self.by_row), self.embed, self.head, self.target_params),
+                        config, self.heldout)
+                    record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"],
+                                  heldout_loss=scored["loss"])
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
+                self.manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+                                  force=done == config.steps)
+                if stop_after is not None and done == stop_after and done < config.steps:
+                    self.manager.wait_until_finished()
+                    bar.close()
+                    return None
+        self.manager.wait_until_finished()
+        bar.close()
+        self.params, self.opt_state, self.start = params, opt_state, config.steps
+        return nnx.merge(self.graphdef, params, self.rest)
+
+
 def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: int | None = None,
           progress: bool = True):
     """Train (resuming from the newest checkpoint in ``out_dir``); returns the trained drafter,
-    or None when ``stop_after`` interrupted the run (what a kill looks like, for tests). With
-    ``heldout`` sequences, every ``heldout_every``-th step and the last also log their τ and loss."""
-    out = Path(config.out_dir).absolute()
-    cfg = drafter_config(config, target.cfg)
-    embed, head = jax.jit(target.embedding_and_head)(target.params)
-    if config.init_dir is not None:
-        drafter = warm_start(config.init_dir, cfg, target.cfg, seed=config.seed)
-    else:
-        drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
-        if drafter.draft_head is not None:
-            drafter.init_draft_head(head)
-    graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
-    tx = optimizer(config)
+    or None when ``stop_after`` interrupted the run (``Trainer.run``)."""
+    return Trainer(config, target, sequences, heldout=heldout).run(stop_after=stop_after, progress=progress)
 
-    mesh = make_mesh(config.data_parallel)
-    if config.batch_size % mesh.size:
-        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} data-parallel devices")
-    replicated = NamedSharding(mesh, PartitionSpec())
-    by_row = NamedSharding(mesh, PartitionSpec("data"))
-    params, rest, embed, head = jax.device_put((params, rest, embed, head), replicated)
-    opt_state = jax.device_put(tx.init(params), replicated)
 
-    manager = ocp.CheckpointManager(
-        out / "checkpoints",
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=config.checkpoint_every, create=True),
-    )
-    start = manager.latest_step() or 0
-    if start:
-        restored = manager.restore(start, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
-    log_path = out / LOG_FILE
-    kept = _read_log(log_path, start)
-    log_path.write_text("".join(line + "\n" for line in kept))
-
-    source = BatchSource(sequences, config)
-    step_fn = make_train_step(graphdef, config, tx)
-    score = jax.jit(lambda params, rest, batch, embed, head:
-                    objective(nnx.merge(graphdef, params, rest), config, batch, embed, head)[1])
-    lr = schedule(config)
-    bar = tqdm(total=config.steps, initial=start, desc=f"train {config.name}", disable=not progress)
-    with log_path.open("a") as log:
-        for step in range(start, config.steps):
-            t0 = time.perf_counter()
-            batch = jax.device_put(source.batch(step), by_row)
-            params, opt_state, metrics = step_fn(params, opt_state, rest, batch, embed, head)
-            record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
-            done = step + 1
-            if heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
-                scored = mean_metrics(lambda b, params=params: score(params, rest, jax.device_put(b, by_row), embed, head),
-                                      config, heldout)
-                record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"], heldout_loss=scored["loss"])
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
-            manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                         force=done == config.steps)
-            if stop_after is not None and done == stop_after and done < config.steps:
-                manager.wait_until_finished()
-                bar.close()
-                return None
-    manager.wait_until_finished()
-    bar.close()
-    return nnx.merge(graphdef, params, rest)
+def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> Path:
+    """Save the trained drafter to ``out_dir/drafter`` with a summary of its run."""
+    records = [json.loads(line) for line in (Path(config.out_dir) / LOG_FILE).read_text().splitlines()]
+    last = records[-1]
+    summary = {
+        "config": config.name,
+        "steps": config.steps,
+        "init_from": None if config.init_dir is None else str(config.init_dir),
+        "sequences": len(sequences),
+        "response_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences)),
+        "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate", "heldout_tau") if k in last},
+        "train_seconds_this_run": seconds,
+        **extra,
+    }
+    return save_drafter(drafter, Path(config.out_dir) / "drafter", storage_dtype=config.storage_dtype, metadata=summary)
 
 
 def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
@@ -590,15 +685,85 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
     drafter = train(config, target, sequences, heldout=heldout, stop_after=stop_after, progress=progress)
     if drafter is None:
         return None
-    records = [json.loads(line) for line in (Path(config.out_dir) / LOG_FILE).read_text().splitlines()]
-    last = records[-1]
-    summary = {
-        "config": config.name,
-        "steps": config.steps,
-        "init_from": None if config.init_dir is None else str(config.init_dir),
-        "sequences": len(sequences),
-        "response_tokens": int(sum(int(s.loss_mask.sum()) for s in sequences)),
-        "final": {k: last[k] for k in ("loss", "tau_probabilistic", "accept_rate", "heldout_tau") if k in last},
-        "train_seconds_this_run": time.perf_counter() - start,
-    }
-    return save_drafter(drafter, Path(config.out_dir) / "drafter", storage_dtype=config.storage_dtype, metadata=summary)
+    return export(config, drafter, sequences, time.perf_counter() - start)
+
+
+BUDGET_FILE = "budget.json"
+# What drafters compared under one budget must share: their data and their batches' shape.
+SHARED_FIELDS = ("num_prompts", "data_seed", "data_mix", "target_layers", "cache", "cache_path", "cache_shards",
+                 "benchmarks_dir", "batch_size", "seq_len", "num_anchors", "seed", "data_parallel")
+
+
+def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: float = 0.3, margin: float = 0.15,
+                 progress: bool = True) -> list[Path]:
+    """Drafters trained side by side on one data set within ``budget_s`` seconds of wall time, all
+    for the same number of steps (the same data and budget, as the baselines need).
+
+    The target cache is built (resumed, grown) until ``data_fraction`` of the budget has passed,
+    and the drafters train on the shards complete by then. Each drafter's step is then compiled
+    and timed, and they all get the steps that the rest of the budget affords, less ``margin``
+    of it for logging and checkpoints; each is exported as soon as it is trained. The plan is
+    written to ``budget.json`` in every run's directory, and a rerun with those plans resumes
+    (same shards, same steps) instead of planning again. Configs' own ``steps`` are ignored."""
+    if not configs:
+        raise ValueError("run_budgeted needs at least one config")
+    if budget_s <= 0 or not 0 < data_fraction < 1 or not 0 <= margin < 1:
+        raise ValueError(f"need budget_s > 0, 0 < data_fraction < 1 and 0 <= margin < 1; got {budget_s}, "
+                         f"{data_fraction}, {margin}")
+    first = configs[0]
+    for config in configs[1:]:
+        differ = [f for f in SHARED_FIELDS if getattr(config, f) != getattr(first, f)]
+        if differ:
+            raise ValueError(f"{config.name} and {first.name} differ in {differ}: one budget compares drafters "
+                             "on the same data and batches")
+    for config in configs:
+        if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
+            raise ValueError(f"{config.name} starts from {config.init_from.name}, which is not exported yet: "
+                             "train the earlier leg first")
+    run_names = [c.name for c in configs]
+    if len(set(run_names)) != len(configs) or len({str(Path(c.out_dir).absolute()) for c in configs}) != len(configs):
+        raise ValueError(f"configs under one budget need distinct names and out_dirs, got {run_names}")
+
+    clock = time.monotonic()
+    plans = [Path(c.out_dir) / BUDGET_FILE for c in configs]
+    plan = json.loads(plans[0].read_text()) if plans[0].exists() else None
+    if plan is not None and any(not p.exists() or json.loads(p.read_text()) != plan for p in plans):
+        raise ValueError(f"{BUDGET_FILE} is missing or differs across {[str(p) for p in plans]}: "
+                         "resume the runs that planned together, or start in fresh out_dirs")
+    target, tokenizer = load_target(first)
+    if plan is None:
+        names = build_cache(first, target, tokenizer, progress=progress, deadline=clock + data_fraction * budget_s)
+    else:
+        names = training_names(first, tokenizer)
+    size = first.cache.shard_size
+    spanned = -(-len(names) // size)
+    shards = plan["cache_shards"] if plan is not None else complete_shards(first.cache_path, spanned)
+    if shards < spanned:
+        configs = [dataclasses.replace(c, cache_shards=shards) for c in configs]
+        names = names[: shards * size]
+    sequences = load_training_set(configs[0], names)
+    heldout = build_heldout_cache(first, target, tokenizer, progress=progress) if first.heldout_prompts else None
+    trainers = [Trainer(c, target, sequences, heldout=heldout) for c in configs]
+    if plan is None:
+        seconds = {c.name: t.step_seconds() for c, t in zip(configs, trainers)}
+        left = budget_s - (time.monotonic() - clock)
+        steps = int((1 - margin) * left / sum(seconds.values()))
+        if steps < 1:
+            raise ValueError(f"{left:.0f} s of the budget are left and a step of every drafter takes "
+                             f"{sum(seconds.values()):.2f} s: raise the budget or lower data_fraction")
+        plan = {"steps": steps, "cache_shards": shards, "sequences": len(sequences), "budget_s": budget_s,
+                "data_fraction": data_fraction, "step_seconds": seconds,
+                "planned_after_s": budget_s - left, "drafters": [c.name for c in configs]}
+        for path in plans:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(plan, indent=2) + "\n")
+        if progress:
+            print(f"budget: {shards} cache shards ({len(sequences)} sequences), {steps} steps for each of "
+                  f"{', '.join(seconds)} (s/step {', '.join(f'{v:.3f}' for v in seconds.values())})")
+    exported = []
+    for config, trainer in zip(configs, trainers):
+        t0 = time.perf_counter()
+        drafter = trainer.run(steps=plan["steps"], progress=progress)
+        config = dataclasses.replace(config, steps=plan["steps"])
+        exported.append(export(config, drafter, sequences, time.perf_counter() - t0, budget=plan))
+    return exported
