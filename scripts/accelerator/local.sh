@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 SLIM_BRANCH=accelerator-slim-tree
-WEIGHTS=(dspark_jax/drafters/*/model.safetensors)
+WEIGHTS='dspark_jax/drafters/*/model.safetensors'
 
 case "${1:-}" in
 stage)
@@ -41,7 +41,7 @@ slim)
     fi
     mkdir -p .device && git rev-parse --abbrev-ref HEAD > .device/slim-from
     git switch -q -c "$SLIM_BRANCH"
-    git rm -q "${WEIGHTS[@]}"
+    git rm -q $WEIGHTS
     git commit -q -m "accelerator run: the tree without the shipped drafters' weights"
     echo "on $SLIM_BRANCH: $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes tracked"
     ;;
@@ -49,7 +49,7 @@ restore)
     from=$(cat .device/slim-from)
     git switch -q "$from"
     git branch -q -D "$SLIM_BRANCH"
-    ls -la "${WEIGHTS[@]}"
+    ls -la $WEIGHTS
     ;;
 unpack)
     parts="${2:?usage: local.sh unpack DIR_WITH_result.tgz.part-*}"
