@@ -35,6 +35,7 @@ from dspark_jax.training.train import (
     same_legs,
     sample_anchors,
     train,
+    train_together,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -298,22 +299,29 @@ def _budget_configs(tmp_path, kinds=("dspark", "dflash", "eagle3")):
 
 def test_budgeted_training_gives_every_drafter_the_same_steps_and_resumes(tmp_path, monkeypatch):
     configs = _budget_configs(tmp_path)
-    # A step "takes" 3 s a drafter, so the budget left after the cache affords a few steps.
-    monkeypatch.setattr(Trainer, "step_seconds", lambda self, repeats=3: 3.0)
+    # A step "takes" 3 s a drafter and a batch 1 s, so the budget left after the cache affords a
+    # few rounds of 10 s.
+    monkeypatch.setattr(Trainer, "step_seconds", lambda self, batch, repeats=3: 3.0)
+    monkeypatch.setattr(Trainer, "batch_seconds", lambda self, repeats=3: 1.0)
     exported = run_budgeted(configs, 60.0, data_fraction=0.5, margin=0.0, progress=False)
     plans = [json.loads((Path(c.out_dir) / BUDGET_FILE).read_text()) for c in configs]
     assert all(plan == plans[0] for plan in plans) and plans[0]["drafters"] == [c.name for c in configs]
     steps = plans[0]["steps"]
-    assert 1 <= steps <= 60 // 9, plans[0]
-    assert steps == int((60.0 - plans[0]["planned_after_s"]) / 9.0)
+    assert 1 <= steps <= 60 // 10, plans[0]
+    assert steps == int((60.0 - plans[0]["planned_after_s"]) / 10.0)
     assert plans[0]["cache_shards"] == target_cache.complete_shards(configs[0].cache_path, 2) >= 1
     for config, out in zip(configs, exported):
         assert len(losses(config.out_dir)) == steps
         meta = json.loads((out / "config.json").read_text())["metadata"]
         assert meta["steps"] == steps and meta["budget"] == plans[0] and meta["sequences"] == plans[0]["sequences"]
     assert "features" not in safetensors.numpy.load_file(str(configs[0].cache_path / "shard-00000.safetensors"))
+    # Trained together (one batch a step for all), each drafter trained as it would alone.
+    alone = dataclasses.replace(configs[1], out_dir=str(tmp_path / "alone"), steps=steps,
+                                cache_shards=plans[0]["cache_shards"])
+    run(alone, progress=False)
+    assert losses(alone.out_dir) == losses(configs[1].out_dir)
     # A rerun finds the plans and resumes: nothing is planned or trained again.
-    monkeypatch.setattr(Trainer, "step_seconds", lambda self, repeats=3: pytest.fail("planned again"))
+    monkeypatch.setattr(Trainer, "step_seconds", lambda *a, **k: pytest.fail("planned again"))
     before = [losses(c.out_dir) for c in configs]
     run_budgeted(configs, 60.0, data_fraction=0.5, progress=False)
     assert [losses(c.out_dir) for c in configs] == before
@@ -329,14 +337,16 @@ def test_budgeted_training_refuses_drafters_on_other_data_or_a_bad_budget(tmp_pa
         run_budgeted([spark], 60.0, data_fraction=1.0, progress=False)
 
 
-def test_step_seconds_compiles_and_times_without_moving_the_run(tmp_path, tiny_parts):
+def test_timing_a_step_compiles_it_without_moving_the_run(tmp_path, tiny_parts):
     config, target, sequences = tiny_parts
     config = dataclasses.replace(config, out_dir=str(tmp_path / "timed"), steps=2)
     trainer = Trainer(config, target, sequences)
     before = jax.tree.map(np.asarray, trainer.params)
-    assert 0 < trainer.step_seconds(repeats=2) < 60
+    assert 0 < trainer.batch_seconds(repeats=2) < 60
+    batch = trainer.device_batch(trainer.source.batch(0))
+    assert 0 < trainer.step_seconds(batch, repeats=2) < 60
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, trainer.params))
-    trainer.run(progress=False)
+    train_together([trainer], progress=False)
     straight = dataclasses.replace(config, out_dir=str(tmp_path / "straight"))
     train(straight, target, sequences, progress=False)
     assert losses(tmp_path / "timed") == losses(tmp_path / "straight")

@@ -11,6 +11,12 @@
 5. save an orbax checkpoint every ``checkpoint_every`` steps and at the end, and export the
    drafter (``checkpoints/drafter.py``) without the frozen embedding / LM head.
 
+``run_budgeted(configs, budget_s)`` (``dspark train`` with several ``--config`` and ``--budget-s``)
+trains several drafters on one data set within a wall-clock budget and with equal steps, together
+(``train_together``: one batch a step for all); the plan goes to ``budget.json``. A cache of token
+ids alone (``CacheSpec.store_features=False``) has each batch completed by the frozen target
+(``batch_completer``), which pays on an accelerator.
+
 ``init_from`` starts a run from a trained drafter instead of a random one, with a fresh optimizer
 and schedule: an exported drafter directory (fine-tune a shipped drafter on new responses), or
 another ``TrainConfig`` (a training leg: it is trained first, or resumed, unless its drafter is
@@ -336,14 +342,13 @@ def objective(drafter, config: TrainConfig, batch: TrainBatch, embed, head):
     return drafter_loss(drafter, embed, head, batch, chunk_size=config.anchor_chunk)
 
 
-def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation, complete):
-    """The jitted ``(params, opt_state, rest, batch, embed, head, target_params, lr) -> (params,
-    opt_state, metrics)``; ``complete`` is the run's ``batch_completer``."""
+def make_train_step(graphdef, config: TrainConfig, tx: optax.GradientTransformation):
+    """The jitted ``(params, opt_state, rest, batch, embed, head, lr) -> (params, opt_state,
+    metrics)`` over a batch with the target's per-token arrays (``batch_completer``)."""
     def loss_fn(params, rest, batch, embed, head):
         return objective(nnx.merge(graphdef, params, rest), config, batch, embed, head)
 
-    def step(params, opt_state, rest, batch, embed, head, target_params, lr):
-        batch = complete(target_params, batch)
+    def step(params, opt_state, rest, batch, embed, head, lr):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, batch, embed, head)
         updates, opt_state = tx.update(grads, opt_state, params)
         updates = jax.tree.map(lambda u: -lr * u, updates)
@@ -549,9 +554,9 @@ def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, see
 
 class Trainer:
     """One drafter's run: its parameters and optimizer state on a device mesh (resumed from the
-    newest checkpoint in ``out_dir``), the compiled step, and the loop. ``train`` is
-    ``Trainer(...).run(...)``; ``run_budgeted`` first times ``step_seconds`` of several to choose
-    how many steps they all get."""
+    newest checkpoint in ``out_dir``), its batches and compiled step. ``train_together`` runs the
+    loop; ``run_budgeted`` first times ``batch_seconds`` and ``step_seconds`` to choose how many
+    steps it can afford."""
 
     def __init__(self, config: TrainConfig, target, sequences, *, heldout=None):
         self.config, self.heldout = config, heldout
@@ -574,8 +579,11 @@ class Trainer:
         self.by_row = NamedSharding(mesh, PartitionSpec("data"))
         self.params, self.rest, self.embed, self.head = jax.device_put((params, rest, embed, head), replicated)
         self.opt_state = jax.device_put(self.tx.init(self.params), replicated)
-        # Only a cache without features needs the target itself in the step.
-        self.target_params = None if sequences[0].features is not None else jax.device_put(target.params, replicated)
+        # A cache of token ids alone: the frozen target completes each batch before the step.
+        self.complete = self.target_params = None
+        if sequences[0].features is None:
+            self.complete = jax.jit(batch_completer(target, config.cache.tap_layers))
+            self.target_params = jax.device_put(target.params, replicated)
 
         self.manager = ocp.CheckpointManager(
             self.out / "checkpoints",
@@ -588,73 +596,110 @@ class Trainer:
             self.params, self.opt_state = restored["params"], restored["opt_state"]
 
         self.source = BatchSource(sequences, config)
-        complete = batch_completer(target, config.cache.tap_layers)
-        self.step_fn = make_train_step(self.graphdef, config, self.tx, complete)
+        self.step_fn = make_train_step(self.graphdef, config, self.tx)
         graphdef = self.graphdef
-        self.score = jax.jit(lambda params, rest, batch, embed, head, target_params: objective(
-            nnx.merge(graphdef, params, rest), config, complete(target_params, batch), embed, head)[1])
+        self.score = jax.jit(lambda params, rest, batch, embed, head: objective(
+            nnx.merge(graphdef, params, rest), config, batch, embed, head)[1])
 
-    def _step(self, params, opt_state, step: int, lr: float):
-        batch = jax.device_put(self.source.batch(step), self.by_row)
-        return self.step_fn(params, opt_state, self.rest, batch, self.embed, self.head, self.target_params,
-                            np.float32(lr))
+    def device_batch(self, batch: TrainBatch) -> TrainBatch:
+        """A host batch on the mesh, by rows, with the target's per-token arrays."""
+        batch = jax.device_put(batch, self.by_row)
+        return batch if self.complete is None else self.complete(self.target_params, batch)
 
-    def step_seconds(self, repeats: int = 3) -> float:
-        """Median wall time of one step (its batch assembled and sent included) after the first,
-        which compiles; run on copies, so the run's own state does not move."""
-        params, opt_state = jax.tree.map(lambda x: x.copy(), (self.params, self.opt_state))
+    def step(self, batch: TrainBatch, lr: float) -> dict:
+        """One optimizer step on a ``device_batch``; returns its metrics (on device)."""
+        self.params, self.opt_state, metrics = self.step_fn(
+            self.params, self.opt_state, self.rest, batch, self.embed, self.head, np.float32(lr))
+        return metrics
+
+    def batch_seconds(self, repeats: int = 3) -> float:
+        """Median wall time to assemble, send and complete a batch, after a first that compiles."""
         times = []
         for i in range(repeats + 1):
             t0 = time.perf_counter()
-            params, opt_state, metrics = self._step(params, opt_state, self.start + i, 0.0)
+            jax.block_until_ready(self.device_batch(self.source.batch(self.start + i)))
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    def step_seconds(self, batch: TrainBatch, repeats: int = 3) -> float:
+        """Median wall time of one step on ``batch`` (a ``device_batch``) after a first that
+        compiles; on copies of the state, so the run itself does not move."""
+        params, opt_state = jax.tree.map(lambda x: x.copy(), (self.params, self.opt_state))
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            params, opt_state, metrics = self.step_fn(params, opt_state, self.rest, batch, self.embed, self.head,
+                                                      np.float32(0.0))
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t0)
         return float(np.median(times[1:]))
 
-    def run(self, *, steps: int | None = None, stop_after: int | None = None, progress: bool = True):
-        """Train to ``steps`` (default: the config's); returns the trained drafter, or None when
-        ``stop_after`` interrupted the run (what a kill looks like, for tests). With held-out
-        sequences, every ``heldout_every``-th step and the last also log their τ and loss."""
-        config = self.config if steps is None else dataclasses.replace(self.config, steps=steps)
-        params, opt_state, start = self.params, self.opt_state, self.start
-        log_path = self.out / LOG_FILE
-        kept = _read_log(log_path, start)
-        log_path.write_text("".join(line + "\n" for line in kept))
-        lr = schedule(config)
-        bar = tqdm(total=config.steps, initial=start, desc=f"train {config.name}", disable=not progress)
-        with log_path.open("a") as log:
-            for step in range(start, config.steps):
+    def heldout_metrics(self, config: TrainConfig) -> dict:
+        return mean_metrics(lambda b: self.score(self.params, self.rest, self.device_batch(b), self.embed, self.head),
+                            config, self.heldout)
+
+
+def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_after: int | None = None,
+                   progress: bool = True):
+    """Train every trainer to ``steps`` (default: each config's) on the same batches: a batch is
+    assembled (and completed by the target, for a cache of token ids) once per step for all of
+    them, so drafters compared on one data set share that cost. Each resumes from its own newest
+    checkpoint, logs every step to its ``log.jsonl`` (with held-out sequences, also their τ and
+    loss every ``heldout_every``-th step and the last) and saves checkpoints. Returns the trained
+    drafters, or None when ``stop_after`` interrupted the run (what a kill looks like, for tests)."""
+    configs = [t.config if steps is None else dataclasses.replace(t.config, steps=steps) for t in trainers]
+    total = configs[0].steps
+    if any(c.steps != total for c in configs):
+        raise ValueError("trainers trained together need the same number of steps")
+    schedules, bars, logs = [], [], []
+    for trainer, config in zip(trainers, configs):
+        log_path = trainer.out / LOG_FILE
+        log_path.write_text("".join(line + "\n" for line in _read_log(log_path, trainer.start)))
+        logs.append(log_path.open("a"))
+        schedules.append(schedule(config))
+        bars.append(tqdm(total=total, initial=trainer.start, desc=f"train {config.name}", disable=not progress))
+    try:
+        for step in range(min(t.start for t in trainers), total):
+            t0 = time.perf_counter()
+            # Waited for, so that the log's times are each its own (dispatch is asynchronous).
+            batch = jax.block_until_ready(trainers[0].device_batch(trainers[0].source.batch(step)))
+            batch_seconds = time.perf_counter() - t0
+            done = step + 1
+            for trainer, config, lr, log, bar in zip(trainers, configs, schedules, logs, bars):
+                if step < trainer.start:  # resumed past this step
+                    continue
                 t0 = time.perf_counter()
-                params, opt_state, metrics = self._step(params, opt_state, step, lr(step))
-                record = {"step": step, "lr": float(lr(step)), **_scalars(metrics), "seconds": time.perf_counter() - t0}
-                done = step + 1
-                if self.heldout is not None and (done % config.heldout_every == 0 or done == config.steps):
-                    scored = mean_metrics(lambda b, params=params: self.score(
-                        params, self.rest, jax.device_put(b, self.by_row), self.embed, self.head, self.target_params),
-                        config, self.heldout)
+                metrics = trainer.step(batch, lr(step))
+                record = {"step": step, "lr": float(lr(step)), **_scalars(metrics),
+                          "seconds": time.perf_counter() - t0, "batch_seconds": batch_seconds}
+                if trainer.heldout is not None and (done % config.heldout_every == 0 or done == total):
+                    scored = trainer.heldout_metrics(config)
                     record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"],
                                   heldout_loss=scored["loss"])
                 log.write(json.dumps(record) + "\n")
                 log.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
-                self.manager.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
-                                  force=done == config.steps)
-                if stop_after is not None and done == stop_after and done < config.steps:
-                    self.manager.wait_until_finished()
-                    bar.close()
-                    return None
-        self.manager.wait_until_finished()
-        bar.close()
-        self.params, self.opt_state, self.start = params, opt_state, config.steps
-        return nnx.merge(self.graphdef, params, self.rest)
+                trainer.manager.save(done, args=ocp.args.StandardSave(
+                    {"params": trainer.params, "opt_state": trainer.opt_state}), force=done == total)
+                trainer.start = done
+            if stop_after is not None and done == stop_after and done < total:
+                return None
+    finally:
+        for trainer, log, bar in zip(trainers, logs, bars):
+            trainer.manager.wait_until_finished()
+            log.close()
+            bar.close()
+    return [nnx.merge(t.graphdef, t.params, t.rest) for t in trainers]
 
 
 def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: int | None = None,
           progress: bool = True):
     """Train (resuming from the newest checkpoint in ``out_dir``); returns the trained drafter,
-    or None when ``stop_after`` interrupted the run (``Trainer.run``)."""
-    return Trainer(config, target, sequences, heldout=heldout).run(stop_after=stop_after, progress=progress)
+    or None when ``stop_after`` interrupted the run (``train_together``)."""
+    trained = train_together([Trainer(config, target, sequences, heldout=heldout)], stop_after=stop_after,
+                             progress=progress)
+    return None if trained is None else trained[0]
 
 
 def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> Path:
@@ -700,11 +745,12 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     for the same number of steps (the same data and budget, as the baselines need).
 
     The target cache is built (resumed, grown) until ``data_fraction`` of the budget has passed,
-    and the drafters train on the shards complete by then. Each drafter's step is then compiled
-    and timed, and they all get the steps that the rest of the budget affords, less ``margin``
-    of it for logging and checkpoints; each is exported as soon as it is trained. The plan is
-    written to ``budget.json`` in every run's directory, and a rerun with those plans resumes
-    (same shards, same steps) instead of planning again. Configs' own ``steps`` are ignored."""
+    and the drafters train on the shards complete by then, together (``train_together``: one
+    batch a step for all). A batch and each drafter's step are compiled and timed, and they all
+    get the steps that the rest of the budget affords, less ``margin`` of it for logging and
+    checkpoints. The plan is written to ``budget.json`` in every run's directory, and a rerun
+    with those plans resumes (same shards, same steps) instead of planning again. Configs' own
+    ``steps`` are ignored."""
     if not configs:
         raise ValueError("run_budgeted needs at least one config")
     if budget_s <= 0 or not 0 < data_fraction < 1 or not 0 <= margin < 1:
@@ -745,25 +791,27 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     heldout = build_heldout_cache(first, target, tokenizer, progress=progress) if first.heldout_prompts else None
     trainers = [Trainer(c, target, sequences, heldout=heldout) for c in configs]
     if plan is None:
-        seconds = {c.name: t.step_seconds() for c, t in zip(configs, trainers)}
+        batch_seconds = trainers[0].batch_seconds()
+        batch = trainers[0].device_batch(trainers[0].source.batch(trainers[0].start))
+        seconds = {c.name: t.step_seconds(batch) for c, t in zip(configs, trainers)}
+        round_seconds = batch_seconds + sum(seconds.values())
         left = budget_s - (time.monotonic() - clock)
-        steps = int((1 - margin) * left / sum(seconds.values()))
+        steps = int((1 - margin) * left / round_seconds)
         if steps < 1:
             raise ValueError(f"{left:.0f} s of the budget are left and a step of every drafter takes "
-                             f"{sum(seconds.values()):.2f} s: raise the budget or lower data_fraction")
+                             f"{round_seconds:.2f} s: raise the budget or lower data_fraction")
         plan = {"steps": steps, "cache_shards": shards, "sequences": len(sequences), "budget_s": budget_s,
-                "data_fraction": data_fraction, "step_seconds": seconds,
+                "data_fraction": data_fraction, "batch_seconds": batch_seconds, "step_seconds": seconds,
                 "planned_after_s": budget_s - left, "drafters": [c.name for c in configs]}
         for path in plans:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(plan, indent=2) + "\n")
         if progress:
             print(f"budget: {shards} cache shards ({len(sequences)} sequences), {steps} steps for each of "
-                  f"{', '.join(seconds)} (s/step {', '.join(f'{v:.3f}' for v in seconds.values())})")
-    exported = []
-    for config, trainer in zip(configs, trainers):
-        t0 = time.perf_counter()
-        drafter = trainer.run(steps=plan["steps"], progress=progress)
-        config = dataclasses.replace(config, steps=plan["steps"])
-        exported.append(export(config, drafter, sequences, time.perf_counter() - t0, budget=plan))
-    return exported
+                  f"{', '.join(seconds)} (s/step {', '.join(f'{v:.3f}' for v in seconds.values())}, "
+                  f"s/batch {batch_seconds:.3f})")
+    t0 = time.perf_counter()
+    drafters = train_together(trainers, plan["steps"], progress=progress)
+    seconds = time.perf_counter() - t0
+    return [export(dataclasses.replace(config, steps=plan["steps"]), drafter, sequences, seconds, budget=plan)
+            for config, drafter in zip(configs, drafters)]
