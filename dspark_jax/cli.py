@@ -487,8 +487,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=None, help="override the config's step count")
     train.add_argument("--budget-s", type=float, default=None,
                        help="train every --config on one data set within this many seconds of wall time, with "
-                            "equal steps: the cache is built for --data-fraction of it, then each step is timed "
-                            "and the steps are what the rest affords (replaces the configs' steps)")
+                            "equal steps: the cache is built for --data-fraction of it, a batch and each step are "
+                            "timed, and the drafters train together for the steps the rest affords (replaces the "
+                            "configs' steps)")
     train.add_argument("--data-fraction", type=float, default=0.3,
                        help="with --budget-s: the share of the budget the target cache may take (default 0.3)")
     train.set_defaults(func=cmd_train)
