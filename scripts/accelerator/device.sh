@@ -37,7 +37,7 @@ train)
     (cd "$STAGE" && sha256sum -c SHA256) || exit 1
     install_wheels
     # The configs check their prompts against ../shared/benchmarks, beside the repository.
-    mkdir -p ../shared && cp -r .device/benchmarks ../shared/
+    mkdir -p ../shared && cp -r .device/benchmarks ../shared/ || exit 1
     export DSPARK_SMOLLM2_GGUF="$STAGE/smollm2.gguf" TQDM_MININTERVAL=15 PYTHONUNBUFFERED=1
     mkdir -p runs
     # The three drafter kinds through a cache of token ids and a budget, on the tiny config
