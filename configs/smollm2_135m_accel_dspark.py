@@ -19,11 +19,13 @@ draft-vocabulary W1 rows: 26 MB), so the two compare and the result can ship.
 Training: batches of 64 sequences (8x the CPU legs'), peak lr 1e-3 from random weights.
 """
 
+import dataclasses
 from pathlib import Path
 
-from dspark_jax.training.target_cache import CacheSpec
-from dspark_jax.training.train import TrainConfig
+from dspark_jax.training.train import TrainConfig, load_config
 
+# The shipped drafter: its answer settings, tapped layers and shape are this run's too.
+SHIPPED = load_config(Path(__file__).with_name("smollm2_135m_dspark.py"))
 MIXES = ("paper", "formats", "writing")
 SEEDS = tuple(range(100, 160))
 
@@ -31,20 +33,16 @@ CONFIG = TrainConfig(
     name="smollm2_135m_accel_dspark",
     out_dir="runs/smollm2_135m_accel_dspark",
     cache_dir="runs/smollm2_135m_accel_cache",
-    # The benchmark prompt sets next to the repository; training prompts must not overlap them.
-    benchmarks_dir=str(Path(__file__).resolve().parents[2] / "shared" / "benchmarks"),
+    benchmarks_dir=SHIPPED.benchmarks_dir,
     num_prompts=640,
     data_seed=SEEDS,
     data_mix=tuple(MIXES[i % len(MIXES)] for i in range(len(SEEDS))),
-    cache=CacheSpec(tap_layers=(1, 8, 15, 22, 28), max_new_tokens=160, max_prompt_tokens=256,
-                    temperature=0.7, top_p=0.8, top_k=20, shard_size=1024, batch_size=512,
-                    store_features=False),
-    drafter=dict(kind="dspark", num_layers=2, mask_token_id=0, block_size=7, markov_rank=256,
-                 markov_w1_rows="draft", markov_head="gated", draft_vocab_size=4096),
+    cache=dataclasses.replace(SHIPPED.cache, shard_size=1024, batch_size=512, store_features=False),
+    drafter=SHIPPED.drafter,
     steps=2000,  # what `--budget-s` replaces
     batch_size=64,
-    seq_len=352,
-    num_anchors=64,
+    seq_len=SHIPPED.seq_len,
+    num_anchors=SHIPPED.num_anchors,
     anchor_chunk=64,
     learning_rate=1e-3,
     checkpoint_every=1000,

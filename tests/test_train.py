@@ -21,6 +21,7 @@ from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_
 from dspark_jax.training.train import (
     BUDGET_FILE,
     LOG_FILE,
+    SHARED_FIELDS,
     BatchSource,
     Trainer,
     batch_completer,
@@ -480,6 +481,19 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
     assert len(dspark.legs) == len(dflash.legs) == 9
     for spark_leg, flash_leg in zip(dspark.legs, dflash.legs):
         assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
+
+
+def test_the_accelerator_configs_can_train_under_one_budget():
+    """The three accelerator configs pass run_budgeted's checks: the same data and batches, a
+    cache of token ids, the shipped drafters' shapes, no earlier leg to train first."""
+    spark, flash, eagle = (load_config(REPO / "configs" / f"smollm2_135m_accel_{k}.py") for k in ("dspark", "dflash", "eagle3"))
+    for config in (flash, eagle):
+        assert [f for f in SHARED_FIELDS if getattr(config, f) != getattr(spark, f)] == [], config.name
+    assert not spark.cache.store_features and spark.init_from is None
+    shipped = load_config(REPO / "configs" / "smollm2_135m_dspark.py")
+    assert spark.drafter == shipped.drafter and flash.drafter["num_layers"] == shipped.drafter["num_layers"]
+    assert [c.kind for c in (spark, flash, eagle)] == ["dspark", "dflash", "eagle3"]
+    assert len({c.out_dir for c in (spark, flash, eagle)}) == 3
 
 
 def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):
