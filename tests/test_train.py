@@ -328,6 +328,26 @@ def test_budgeted_training_gives_every_drafter_the_same_steps_and_resumes(tmp_pa
     assert [losses(c.out_dir) for c in configs] == before
 
 
+def test_budgeted_training_stops_at_its_deadline_and_exports_what_it_trained(tmp_path, monkeypatch):
+    """Steps slower than timed: the run stops at the budget's end, checkpoints, and exports the
+    drafters with the steps they got, instead of running on until a hard stop kills it."""
+    configs = _budget_configs(tmp_path, kinds=("dspark", "dflash"))
+    monkeypatch.setattr(Trainer, "step_seconds", lambda self, batch, repeats=3: 1e-4)
+    monkeypatch.setattr(Trainer, "batch_seconds", lambda self, repeats=3: 1e-4)
+    budget = 24.0
+    started = time.monotonic()
+    exported = run_budgeted(configs, budget, data_fraction=0.5, margin=0.0, progress=False)
+    assert time.monotonic() - started < budget + 15  # the export, and the one step that was running
+    plan = json.loads((Path(configs[0].out_dir) / BUDGET_FILE).read_text())
+    done = len(losses(configs[0].out_dir))
+    assert 1 <= done < plan["steps"], (done, plan["steps"])
+    for config, out in zip(configs, exported):
+        assert len(losses(config.out_dir)) == done
+        assert json.loads((out / "config.json").read_text())["metadata"]["steps"] == done
+        saved = [int(p.name) for p in (Path(config.out_dir) / "checkpoints").iterdir() if p.name.isdigit()]
+        assert max(saved) == done  # checkpointed where it stopped, so a rerun resumes there
+
+
 def test_budgeted_training_refuses_drafters_on_other_data_or_a_bad_budget(tmp_path):
     spark, flash = _budget_configs(tmp_path, kinds=("dspark", "dflash"))
     with pytest.raises(ValueError, match="num_prompts"):

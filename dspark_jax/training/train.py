@@ -558,7 +558,7 @@ class Trainer:
     loop; ``run_budgeted`` first times ``batch_seconds`` and ``step_seconds`` to choose how many
     steps it can afford."""
 
-    def __init__(self, config: TrainConfig, target, sequences, *, heldout=None):
+    def __init__(self, config: TrainConfig, target, sequences, *, heldout=None, completion_from: Trainer | None = None):
         self.config, self.heldout = config, heldout
         self.out = Path(config.out_dir).absolute()
         cfg = drafter_config(config, target.cfg)
@@ -580,8 +580,14 @@ class Trainer:
         self.params, self.rest, self.embed, self.head = jax.device_put((params, rest, embed, head), replicated)
         self.opt_state = jax.device_put(self.tx.init(self.params), replicated)
         # A cache of token ids alone: the frozen target completes each batch before the step.
+        # Trainers on one mesh and taps share one completer and one copy of the target's weights.
         self.complete = self.target_params = None
-        if sequences[0].features is None:
+        if sequences[0].features is None and completion_from is not None:
+            if completion_from.by_row != self.by_row or completion_from.config.cache.tap_layers != config.cache.tap_layers:
+                raise ValueError(f"{config.name} cannot share {completion_from.config.name}'s batch completion: "
+                                 "they differ in mesh or tapped layers")
+            self.complete, self.target_params = completion_from.complete, completion_from.target_params
+        elif sequences[0].features is None:
             self.complete = jax.jit(batch_completer(target, config.cache.tap_layers))
             self.target_params = jax.device_put(target.params, replicated)
 
@@ -612,6 +618,11 @@ class Trainer:
             self.params, self.opt_state, self.rest, batch, self.embed, self.head, np.float32(lr))
         return metrics
 
+    def save(self, *, force: bool):
+        """Checkpoint the state after ``start`` steps (every ``checkpoint_every``-th, or now if ``force``)."""
+        self.manager.save(self.start, args=ocp.args.StandardSave({"params": self.params, "opt_state": self.opt_state}),
+                          force=force)
+
     def batch_seconds(self, repeats: int = 3) -> float:
         """Median wall time to assemble, send and complete a batch, after a first that compiles."""
         times = []
@@ -640,13 +651,17 @@ class Trainer:
 
 
 def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_after: int | None = None,
-                   progress: bool = True):
+                   deadline: float | None = None, progress: bool = True):
     """Train every trainer to ``steps`` (default: each config's) on the same batches: a batch is
     assembled (and completed by the target, for a cache of token ids) once per step for all of
     them, so drafters compared on one data set share that cost. Each resumes from its own newest
     checkpoint, logs every step to its ``log.jsonl`` (with held-out sequences, also their τ and
     loss every ``heldout_every``-th step and the last) and saves checkpoints. Returns the trained
-    drafters, or None when ``stop_after`` interrupted the run (what a kill looks like, for tests)."""
+    drafters, or None when ``stop_after`` interrupted the run (what a kill looks like, for tests).
+
+    Past ``deadline`` (a ``time.monotonic()`` value) no step starts: every trainer checkpoints
+    the step it reached and the drafters come back as they are (``Trainer.start`` says how far),
+    so a run whose steps turn out slower than planned still ends with something to export."""
     configs = [t.config if steps is None else dataclasses.replace(t.config, steps=steps) for t in trainers]
     total = configs[0].steps
     if any(c.steps != total for c in configs):
@@ -660,6 +675,11 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
         bars.append(tqdm(total=total, initial=trainer.start, desc=f"train {config.name}", disable=not progress))
     try:
         for step in range(min(t.start for t in trainers), total):
+            if deadline is not None and time.monotonic() >= deadline:
+                for trainer in trainers:
+                    if trainer.manager.latest_step() != trainer.start:
+                        trainer.save(force=True)
+                break
             t0 = time.perf_counter()
             # Waited for, so that the log's times are each its own (dispatch is asynchronous).
             batch = jax.block_until_ready(trainers[0].device_batch(trainers[0].source.batch(step)))
@@ -680,9 +700,8 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
                 log.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
-                trainer.manager.save(done, args=ocp.args.StandardSave(
-                    {"params": trainer.params, "opt_state": trainer.opt_state}), force=done == total)
                 trainer.start = done
+                trainer.save(force=done == total)
             if stop_after is not None and done == stop_after and done < total:
                 return None
     finally:
@@ -789,7 +808,8 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
         names = names[: shards * size]
     sequences = load_training_set(configs[0], names)
     heldout = build_heldout_cache(first, target, tokenizer, progress=progress) if first.heldout_prompts else None
-    trainers = [Trainer(c, target, sequences, heldout=heldout) for c in configs]
+    trainers = [Trainer(configs[0], target, sequences, heldout=heldout)]
+    trainers += [Trainer(c, target, sequences, heldout=heldout, completion_from=trainers[0]) for c in configs[1:]]
     if plan is None:
         batch_seconds = trainers[0].batch_seconds()
         batch = trainers[0].device_batch(trainers[0].source.batch(trainers[0].start))
@@ -811,7 +831,11 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
                   f"{', '.join(seconds)} (s/step {', '.join(f'{v:.3f}' for v in seconds.values())}, "
                   f"s/batch {batch_seconds:.3f})")
     t0 = time.perf_counter()
-    drafters = train_together(trainers, plan["steps"], progress=progress)
+    drafters = train_together(trainers, plan["steps"], deadline=clock + budget_s, progress=progress)
     seconds = time.perf_counter() - t0
-    return [export(dataclasses.replace(config, steps=plan["steps"]), drafter, sequences, seconds, budget=plan)
+    done = trainers[0].start
+    if done < plan["steps"] and progress:
+        print(f"budget: the deadline came after {done} of {plan['steps']} steps; exporting those "
+              "(rerun the command to resume)")
+    return [export(dataclasses.replace(config, steps=done), drafter, sequences, seconds, budget=plan)
             for config, drafter in zip(configs, drafters)]
