@@ -123,7 +123,7 @@ def policy_text(policy) -> str:
     if isinstance(policy, SchedulerPolicy):
         costs = "; ".join(f"B={b}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f}" for w, s in table) + " ms"
                           for b, table in policy.costs or ())
-        calibrated = "STS-calibrated" if policy.temperatures is not None else "uncalibrated"
+        calibrated = "calibrated" if policy.calibration is not None else "uncalibrated"
         return f"scheduler ({calibrated}; round cost {costs or 'not profiled'})"
     return repr(policy)
 
@@ -359,7 +359,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    """Fit STS temperatures on held-out prompts and store them next to the drafter's weights."""
+    """Fit the confidence head's calibration on held-out prompts and store it next to the drafter's weights."""
     from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.drafters import resolve_drafter
@@ -381,13 +381,15 @@ def cmd_calibrate(args) -> int:
     logits, accepted = calibrate.collect_rounds(
         decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
         stop_ids=[tokenizer.eos_token_id], seed=args.seed)
-    fitted = calibrate.fit_sts(logits, accepted)
+    fitted = calibrate.fit_calibration(logits, accepted, args.method)
     mode = calibrate.mode_of(sampling.greedy)
     path = calibrate.save_calibration(directory, mode, fitted, drafter=name, prompts=args.prompts,
                                       data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                                       sampling=dataclasses.asdict(sampling))
-    print(f"{mode}: {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}")
+    print(f"{mode} ({args.method}): {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}; "
+          f"biases {_fmt_values(fitted['biases'])}")
     print(f"ECE of the survival per position: {_fmt_values(fitted['ece_before'])} -> {_fmt_values(fitted['ece_after'])}")
+    print(f"log loss per position: {_fmt_values(fitted['log_loss_before'])} -> {_fmt_values(fitted['log_loss_after'])}")
     print(f"wrote {path}")
     return 0
 
@@ -417,6 +419,8 @@ POLICY_HELP = ("verify lengths: fixed:K (K drafts per round), threshold:X (confi
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dspark_jax.training.calibrate import METHODS as CALIBRATION_METHODS  # numpy only: cheap
+
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -466,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", required=True, help="JSON cost table to write")
     prof.set_defaults(func=cmd_profile)
 
-    cal = sub.add_parser("calibrate", help="fit the confidence head's STS temperatures on held-out prompts")
+    cal = sub.add_parser("calibrate", help="fit the confidence head's calibration on held-out prompts")
     cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     cal.add_argument("--prompts", type=int, default=48, help="held-out prompts to decode (default 48)")
     cal.add_argument("--data-seed", type=int, default=1000,
@@ -476,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--top-k", type=int, default=0)
     cal.add_argument("--top-p", type=float, default=1.0)
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--method", choices=CALIBRATION_METHODS, default=CALIBRATION_METHODS[0],
+                     help="platt: a temperature and a bias per position, by log loss (default); "
+                          "sts: the paper's sequential temperature scaling, temperatures by ECE")
     cal.add_argument("--out-dir", default=None, help="where calibration.json goes (default: the drafter's directory)")
     cal.set_defaults(func=cmd_calibrate)
 

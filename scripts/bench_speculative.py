@@ -66,6 +66,9 @@ def parse_args(argv):
     ap.add_argument("--top-k", type=int, default=0, help="with --temperature > 0; 0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0; 1 = off")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="sampled paths per prompt (with --temperature > 0): every prompt is decoded with this "
+                    "many seeds, the summaries pool them and the intervals resample prompts with all their paths")
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
     ap.add_argument("--quick", action="store_true", help="2 prompts per domain, 32 new tokens")
     ap.add_argument("--out", default="docs/bench_speculative.json", help="JSON output; the PNG goes next to it")
@@ -75,9 +78,11 @@ def parse_args(argv):
         args.prompts_per_domain = 2 if args.quick else 10
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if args.quick else 128
-    for name in ("prompts_per_domain", "max_new_tokens", "repeats"):
+    for name in ("prompts_per_domain", "max_new_tokens", "repeats", "seeds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seeds > 1 and args.temperature == 0:
+        ap.error("--seeds > 1 needs --temperature > 0: greedy decoding takes one path whatever the seed")
     specs = list(args.drafter or [])
     if args.compare_baselines:
         specs += [name for name in SHIPPED if name not in specs]
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
     comparison = Comparison(target, decoders, max_new_tokens=args.max_new_tokens,
                             stop_ids=[tokenizer.eos_token_id], sampling=sampling)
     lens = [len(ids) for d in domains.values() for ids in d["ids"]]
-    total = sum(len(d["ids"]) for d in domains.values())
+    total = args.seeds * sum(len(d["ids"]) for d in domains.values())
     with tqdm(total=total + 1, desc="bench_speculative", file=sys.stderr, dynamic_ncols=True) as bar:
         bar.set_postfix_str(f"compile + warm-up ({len(decoders) + 1} decoders)")
         compile_s = comparison.prepare(lens)
@@ -210,15 +215,18 @@ def main(argv=None) -> int:
         runs = {}
         for domain, data in domains.items():
             bar.set_postfix_str(domain)
-            runs[domain] = comparison.run(data["ids"], repeats=args.repeats, seed=args.seed,
-                                          progress=lambda _i: bar.update(1))
+            # Path p of prompt i draws with seed `seed + p·prompts + i`: path 0 is a --seeds 1 run.
+            runs[domain] = [run for path in range(args.seeds) for run in comparison.run(
+                data["ids"], repeats=args.repeats, seed=args.seed + path * len(data["ids"]),
+                progress=lambda _i: bar.update(1))]
 
     results = {}
     for name, decoder in decoders.items():
         gamma = decoder.cfg.block_size
         per_domain = {
             domain: summarize(runs[domain], name, gamma, greedy=sampling.greedy,
-                              labels=[f"{domain}:{data['file']}:{i}" for i in range(len(data["ids"]))])
+                              labels=[f"{domain}:{data['file']}:{i}" + (f":path{p}" if args.seeds > 1 else "")
+                                      for p in range(args.seeds) for i in range(len(data["ids"]))])
             for domain, data in domains.items()
         }
         results[name] = {
@@ -245,7 +253,7 @@ def main(argv=None) -> int:
             offset = 1.0 if drafts_only else 0.0
             ratios[key + suffix] = (mine - offset) / (theirs - offset) if theirs > offset else float("nan")
             intervals[key + suffix] = tau_ratio_interval(runs, kinds["dspark"], kinds[kind], level=INTERVAL_LEVEL,
-                                                         drafts_only=drafts_only)
+                                                         drafts_only=drafts_only, paths=args.seeds)
     summary = {
         "identical": all(r["identical"] for r in results.values()) if sampling.greedy else None,
         "speedup": {d: round(v["speedup"], 3) for d, v in results[first]["domains"].items()},
@@ -273,6 +281,7 @@ def main(argv=None) -> int:
             "top_k": args.top_k,
             "top_p": args.top_p,
             "seed": args.seed,
+            "seeds": args.seeds,
             "repeats": args.repeats,
             "batch": 1,
             "policy_requested": args.policy,

@@ -1,15 +1,19 @@
-"""Sequential temperature scaling: the fit recovers a known miscalibration and lowers the ECE."""
+"""Calibrating the confidence head: both methods recover a known miscalibration and lower the ECE;
+only a bias removes an offset, and the fit holds on held-out rounds."""
 
 import json
 
 import numpy as np
 import pytest
 
+from dspark_jax.scheduler.prefix import Calibration
 from dspark_jax.training.calibrate import (
+    calibrated,
     ece,
-    fit_sts,
+    fit_calibration,
+    log_loss,
     prefix_labels,
-    read_temperatures,
+    read_calibration,
     save_calibration,
 )
 
@@ -19,49 +23,77 @@ def test_ece_of_perfect_and_of_overconfident_predictions():
     p = rng.uniform(size=200000)
     assert ece(p, rng.uniform(size=p.size) < p) < 0.01
     assert ece(np.full(1000, 0.9), np.zeros(1000, bool)) == pytest.approx(0.9)
+    assert log_loss(np.full(4, 0.5), np.array([0, 1, 0, 1])) == pytest.approx(np.log(2))
 
 
 def test_prefix_labels():
     np.testing.assert_array_equal(prefix_labels(np.array([0, 2, 3]), 3), [[0, 0, 0], [1, 1, 0], [1, 1, 1]])
 
 
-def _rounds(rng, n, true_temperatures):
-    """Rounds whose confidence logits are off by a known per-position temperature: the true
-    conditional survival is σ(z_k / T_k); accepted = the first failure."""
+def _rounds(rng, n, true_temperatures, true_biases=None):
+    """Rounds whose confidence logits are off by a known per-position temperature (and bias): the
+    true conditional survival is σ(z_k / T_k + b_k); accepted = the first failure."""
     gamma = len(true_temperatures)
+    biases = np.zeros(gamma) if true_biases is None else np.asarray(true_biases)
     z = rng.normal(1.0, 2.0, (n, gamma))
-    survives = rng.uniform(size=(n, gamma)) < 1 / (1 + np.exp(-z / np.asarray(true_temperatures)))
+    survives = rng.uniform(size=(n, gamma)) < 1 / (1 + np.exp(-(z / np.asarray(true_temperatures) + biases)))
     accepted = np.cumprod(survives, axis=1).sum(1)
     return z, accepted
 
 
-def test_fit_recovers_the_temperatures_and_lowers_the_ece():
+def _held_out_ece(rng, truth, biases, fitted):
+    z, accepted = _rounds(rng, 60000, truth, biases)
+    survival, labels = calibrated(z, fitted["temperatures"], fitted["biases"]), prefix_labels(accepted, len(truth))
+    return max(ece(survival[:, k], labels[:, k]) for k in range(len(truth)))
+
+
+@pytest.mark.parametrize("method", ["platt", "sts"])
+def test_both_methods_recover_temperatures_and_lower_the_ece(method):
     rng = np.random.default_rng(1)
     truth = [2.0, 0.5, 1.0, 3.0]
-    z, accepted = _rounds(rng, 60000, truth)
-    fitted = fit_sts(z, accepted)
+    fitted = fit_calibration(*_rounds(rng, 60000, truth), method)
+    assert fitted["method"] == method
     np.testing.assert_allclose(fitted["temperatures"], truth, rtol=0.15)
+    np.testing.assert_allclose(fitted["biases"], 0.0, atol=0.1 if method == "platt" else 0.0)
     assert all(after < before for after, before in zip(fitted["ece_after"][:2], fitted["ece_before"][:2]))
     assert max(fitted["ece_after"]) < 0.01
-    # Held-out rounds from the same process: the fitted temperatures stay calibrated.
-    z2, accepted2 = _rounds(rng, 60000, truth)
-    survival = np.cumprod(1 / (1 + np.exp(-z2 / np.asarray(fitted["temperatures"]))), axis=1)
-    labels = prefix_labels(accepted2, len(truth))
-    assert max(ece(survival[:, k], labels[:, k]) for k in range(len(truth))) < 0.015
+    assert _held_out_ece(rng, truth, None, fitted) < 0.015  # rounds from the same process stay calibrated
+
+
+def test_only_a_bias_removes_an_offset():
+    """A head over-confident by an offset (as the shipped one is on answers sampled at T = 1): a
+    temperature cannot fix it, Platt scaling recovers the bias, and its log loss is lower."""
+    rng = np.random.default_rng(3)
+    truth, biases = [1.0, 1.5, 0.8], [-1.0, -0.5, 0.7]
+    z, accepted = _rounds(rng, 60000, truth, biases)
+    platt, sts = fit_calibration(z, accepted, "platt"), fit_calibration(z, accepted, "sts")
+    np.testing.assert_allclose(platt["temperatures"], truth, rtol=0.15)
+    np.testing.assert_allclose(platt["biases"], biases, atol=0.15)
+    assert _held_out_ece(rng, truth, biases, platt) < 0.015 < _held_out_ece(rng, truth, biases, sts)
+    assert sum(platt["log_loss_after"]) < sum(sts["log_loss_after"])
+    assert all(after < before for after, before in zip(platt["log_loss_after"], platt["log_loss_before"]))
 
 
 def test_calibration_file_round_trip_and_errors(tmp_path):
-    fitted = fit_sts(*_rounds(np.random.default_rng(2), 2000, [1.0, 1.0]))
+    fitted = fit_calibration(*_rounds(np.random.default_rng(2), 2000, [1.0, 1.0]))
     save_calibration(tmp_path, "greedy", fitted, drafter="x")
-    assert read_temperatures(tmp_path, "greedy") == fitted["temperatures"]
-    assert read_temperatures(tmp_path, "sampled") is None
+    assert read_calibration(tmp_path, "greedy") == Calibration(tuple(fitted["temperatures"]), tuple(fitted["biases"]))
+    assert read_calibration(tmp_path, "sampled") is None
     save_calibration(tmp_path, "sampled", fitted)
     assert set(json.loads((tmp_path / "calibration.json").read_text())) == {"greedy", "sampled"}
-    assert read_temperatures(tmp_path / "nowhere", "greedy") is None
+    assert read_calibration(tmp_path / "nowhere", "greedy") is None
     with pytest.raises(ValueError, match="calibration mode"):
         save_calibration(tmp_path, "warm", fitted)
+    # A file from before biases existed (the paper's STS): zero biases.
+    (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0, 2.0]}}))
+    assert read_calibration(tmp_path, "greedy") == Calibration((1.0, 2.0), (0.0, 0.0))
     (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0, -2.0]}}))
     with pytest.raises(ValueError, match="positive numbers"):
-        read_temperatures(tmp_path, "greedy")
+        read_calibration(tmp_path, "greedy")
+    (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0], "biases": [0, 1]}}))
+    with pytest.raises(ValueError, match="list of 1 finite numbers"):
+        read_calibration(tmp_path, "greedy")
     with pytest.raises(ValueError, match="no rounds"):
-        fit_sts(np.zeros((0, 3)), np.zeros(0))
+        fit_calibration(np.zeros((0, 3)), np.zeros(0))
+    with pytest.raises(ValueError, match="calibration method"):
+        fit_calibration(np.zeros((1, 3)), np.zeros(1), "isotonic")

@@ -147,7 +147,7 @@ def test_scheduler_policy_gets_the_drafters_calibration_for_the_mode(tmp_path):
     from dspark_jax.config import DrafterConfig
     from dspark_jax.decoding.speculative import FixedPolicy
     from dspark_jax.eval.compare import policy_for
-    from dspark_jax.scheduler.prefix import SchedulerPolicy
+    from dspark_jax.scheduler.prefix import Calibration, SchedulerPolicy
     from dspark_jax.training.calibrate import save_calibration
     from tests.tiny import tiny_config
 
@@ -155,11 +155,13 @@ def test_scheduler_policy_gets_the_drafters_calibration_for_the_mode(tmp_path):
     policy, note = policy_for(dflash, SchedulerPolicy())
     assert policy == FixedPolicy(5) and "instead of scheduler" in note
     dspark = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
-    save_calibration(tmp_path, "greedy", {"temperatures": [2.0] * 7})
-    assert policy_for(dspark, SchedulerPolicy(), directory=tmp_path) == (SchedulerPolicy(temperatures=(2.0,) * 7), None)
+    save_calibration(tmp_path, "greedy", {"temperatures": [2.0] * 7, "biases": [-0.5] * 7})
+    expected = SchedulerPolicy(calibration=Calibration((2.0,) * 7, (-0.5,) * 7))
+    assert policy_for(dspark, SchedulerPolicy(), directory=tmp_path) == (expected, None)
     policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, greedy=False)
     assert policy == SchedulerPolicy() and "no sampled calibration" in note
-    assert policy_for(dspark, SchedulerPolicy(temperatures=(1.0,) * 7), directory=tmp_path)[0].temperatures == (1.0,) * 7
+    given = Calibration((1.0,) * 7, (0.0,) * 7)
+    assert policy_for(dspark, SchedulerPolicy(calibration=given), directory=tmp_path)[0].calibration == given
 
 
 def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, target_only_france, shared_target,
@@ -176,12 +178,13 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert sorted(load_cost_tables(costs)[1]) == [0, 1, 2, 4, 8]  # 0: a round without a draft
     assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8"]) == 0
     entry = json.loads((drafter / "calibration.json").read_text())["greedy"]
-    assert len(entry["temperatures"]) == 7 and entry["rounds"] > 0 and len(entry["ece_after"]) == 7
+    assert len(entry["temperatures"]) == len(entry["biases"]) == 7 and entry["rounds"] > 0
+    assert entry["method"] == "platt" and len(entry["ece_after"]) == len(entry["log_loss_after"]) == 7
     capsys.readouterr()
     assert main(["generate", *FRANCE, "--drafter", str(drafter), "--policy", f"scheduler:{costs}"]) == 0
     out, err = capsys.readouterr()
     assert out == plain  # greedy: the target's text, whatever the scheduler verified
-    assert "policy scheduler (STS-calibrated; round cost B=1: plain " in err and ", W8 " in err
+    assert "policy scheduler (calibrated; round cost B=1: plain " in err and ", W8 " in err
 
 
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
@@ -211,6 +214,25 @@ def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared
         assert split["draft_s"] + split["verify_s"] <= d["decode_s"]["speculative"]
         assert d["tokens_per_s"]["target_only"] > 0 and d["tokens_per_s"]["speculative"] > 0
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_target,
+                                                                       random_drafter_dir):
+    spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "scripts" / "bench_speculative.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--seeds", "2"])  # greedy: one path whatever the seed
+    out = tmp_path / "bench.json"
+    argv = ["--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--drafter", str(random_drafter_dir),
+            "--prompts-per-domain", "1", "--max-new-tokens", "4", "--temperature", "1", "--seeds", "2",
+            "--out", str(out), "--no-plot"]
+    assert script.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["seeds"] == 2 and data["summary"]["identical"] is None
+    for domain in ("math", "code", "chat"):
+        d = data["results"]["random_dspark"]["domains"][domain]
+        assert d["prompts"] == 2 and [p["prompt"].rsplit(":", 1)[1] for p in d["per_prompt"]] == ["path0", "path1"]
 
 
 def _eval_heldout_script():

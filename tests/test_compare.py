@@ -54,6 +54,18 @@ def test_the_interval_is_a_point_when_the_ratio_does_not_depend_on_the_prompts()
         tau_ratio_interval(same, "a", "b", level=1.0)
 
 
+def test_sampled_paths_of_a_prompt_are_resampled_together():
+    """--seeds N: each prompt's N paths are pooled, so the bootstrap draws prompts, not paths."""
+    path0 = [{"a": [3, 1], "b": [1, 1]}, {"a": [0, 0], "b": [0, 1]}, {"a": [5], "b": [2]}]
+    path1 = [{"a": [2], "b": [0, 0]}, {"a": [1, 1, 0], "b": [1]}, {"a": [0, 4], "b": [3, 3]}]
+    pooled = [{k: p[k] + q[k] for k in ("a", "b")} for p, q in zip(path0, path1)]
+    interval = tau_ratio_interval({"math": runs(path0 + path1)}, "a", "b", paths=2)
+    assert interval == tau_ratio_interval({"math": runs(pooled)}, "a", "b")
+    assert interval != tau_ratio_interval({"math": runs(path0 + path1)}, "a", "b")  # six "prompts"
+    with pytest.raises(ValueError, match="not 4 paths"):
+        tau_ratio_interval({"math": runs(path0 + path1)}, "a", "b", paths=4)
+
+
 def test_only_greedy_runs_report_differing_prompts():
     """A greedy output that differs from target-only's is a bug to report; a sampled one is not."""
     domain = runs([{"a": [1, 0]}, {"a": [0]}])  # the baseline made 1 token, "a" made 3 and 1

@@ -13,13 +13,20 @@ from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, par
 from dspark_jax.decoding.verify import verify
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.sampling import SamplingParams
-from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy, prefix_lengths, survival
+from dspark_jax.scheduler.prefix import (
+    PLAIN,
+    Calibration,
+    SchedulerPolicy,
+    prefix_lengths,
+    survival,
+)
 from dspark_jax.scheduler.profile import (
     load_cost_tables,
     profile_round_costs,
     profiled,
     save_cost_tables,
 )
+from dspark_jax.training.calibrate import calibrated
 from tests.prompts import mixed_prompts, random_drafter
 
 
@@ -137,11 +144,19 @@ def test_admission_of_a_draft_does_not_depend_on_the_draft_itself(curve):
             assert (got[r] >= k) == (base[r] >= k)
 
 
-def test_survival_applies_the_calibration_temperatures():
+def test_survival_applies_the_calibration():
     z = jnp.asarray([[2.0, -1.0, 0.5]])
     np.testing.assert_allclose(survival(z), np.cumprod(1 / (1 + np.exp(-np.asarray(z))), axis=1), rtol=1e-6)
-    t = jnp.asarray([2.0, 0.5, 1.0])
-    np.testing.assert_allclose(survival(z, t), survival(z / t), rtol=1e-6)
+    t, b = (2.0, 0.5, 1.0), (0.0, 0.3, -1.5)
+    np.testing.assert_allclose(survival(z, Calibration(t, b)), survival(z / jnp.asarray(t) + jnp.asarray(b)), rtol=1e-6)
+    # The numpy twin the calibration is fitted with agrees.
+    np.testing.assert_allclose(survival(z, Calibration(t, b)), calibrated(np.asarray(z), t, b), rtol=1e-6)
+    with pytest.raises(ValueError, match="positive"):
+        Calibration((1.0, -1.0), (0.0, 0.0))
+    with pytest.raises(ValueError, match="2 calibration temperatures but 1 biases"):
+        Calibration((1.0, 1.0), (0.0,))
+    with pytest.raises(ValueError, match="finite"):
+        Calibration((1.0,), (float("nan"),))
 
 
 def test_policy_errors_name_the_problem(tmp_path):
@@ -154,8 +169,8 @@ def test_policy_errors_name_the_problem(tmp_path):
         policy.lengths(None, 7, jnp.ones((1,), bool))
     with pytest.raises(ValueError, match="no cost table yet"):
         SchedulerPolicy().lengths(z[:1], 7, jnp.ones((1,), bool))
-    with pytest.raises(ValueError, match="3 calibration temperatures"):
-        SchedulerPolicy.from_tables(table, [1.0, 1.0, 1.0]).lengths(z[:1], 7, jnp.ones((1,), bool))
+    with pytest.raises(ValueError, match="a calibration of 3 positions"):
+        SchedulerPolicy.from_tables(table, Calibration((1.0,) * 3, (0.0,) * 3)).lengths(z[:1], 7, jnp.ones((1,), bool))
     with pytest.raises(ValueError, match="positive"):
         SchedulerPolicy.from_tables({1: {1: 0.0, 8: 1.0}})
     with pytest.raises(ValueError, match="same verify widths"):

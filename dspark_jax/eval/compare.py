@@ -75,7 +75,7 @@ def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
 
     ``None`` keeps the decoder's default. Threshold and scheduler policies need a confidence head;
     drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``). A
-    scheduler policy without temperatures gets the drafter's STS calibration for this decoding
+    scheduler policy without a calibration gets the drafter's calibration for this decoding
     mode from ``directory/calibration.json`` (``training.calibrate``); without one it runs on the
     raw confidences, and the note says so.
     """
@@ -83,18 +83,18 @@ def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
 
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
     from dspark_jax.scheduler.prefix import SchedulerPolicy
-    from dspark_jax.training.calibrate import mode_of, read_temperatures
+    from dspark_jax.training.calibrate import mode_of, read_calibration
 
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
         gamma = drafter_cfg.block_size
         asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
-    if isinstance(policy, SchedulerPolicy) and policy.temperatures is None:
+    if isinstance(policy, SchedulerPolicy) and policy.calibration is None:
         mode = mode_of(greedy)
-        temperatures = None if directory is None else read_temperatures(directory, mode)
-        if temperatures is None:
+        calibration = None if directory is None else read_calibration(directory, mode)
+        if calibration is None:
             return policy, f"no {mode} calibration for this drafter (dspark calibrate): the scheduler uses raw confidences"
-        return dataclasses.replace(policy, temperatures=tuple(temperatures)), None
+        return dataclasses.replace(policy, calibration=calibration), None
     return policy, None
 
 
@@ -305,13 +305,20 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
     }
 
 
-def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, **kwargs) -> list[float]:
-    """:func:`ratio_interval` of two decoders' benchmark runs (same keyword arguments)."""
-    accepted = {
-        domain: {name: [np.concatenate(r.speculative[name].accepted_per_round or [np.zeros(0, int)]) for r in runs]
-                 for name in (numerator, denominator)}
-        for domain, runs in runs_by_domain.items()
-    }
+def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str, denominator: str, *, paths: int = 1,
+                       **kwargs) -> list[float]:
+    """:func:`ratio_interval` of two decoders' benchmark runs (same keyword arguments). With
+    ``paths`` sampled paths per prompt (each domain's runs: every prompt once per path, path by
+    path), a prompt's rounds from all its paths are pooled, so the bootstrap resamples prompts."""
+    accepted = {}
+    for domain, runs in runs_by_domain.items():
+        if len(runs) % paths:
+            raise ValueError(f"{domain}: {len(runs)} runs are not {paths} paths of the same prompts")
+        prompts = len(runs) // paths
+        accepted[domain] = {
+            name: [np.concatenate([a for r in runs[i::prompts] for a in r.speculative[name].accepted_per_round]
+                                  or [np.zeros(0, int)]) for i in range(prompts)]
+            for name in (numerator, denominator)}
     return ratio_interval(accepted, numerator, denominator, **kwargs)
 
 

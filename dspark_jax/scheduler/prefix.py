@@ -1,7 +1,7 @@
 """The hardware-aware prefix scheduler (paper Algorithm 1), on device.
 
 Per round, each active request ``r`` has drafted γ tokens with confidence logits ``z_{r,k}``;
-``c_{r,k} = σ(z_{r,k} / T_k)`` (``T_k`` from sequential temperature scaling) estimates that
+``c_{r,k} = σ(z_{r,k} / T_k + b_k)`` (``T_k, b_k`` from ``training.calibrate``) estimates that
 ``x_{r,k}`` survives given that ``x_{r,<k}`` did, and ``a_{r,j} = Π_{k≤j} c_{r,k}`` that the
 first ``j`` all survive. Verifying ``ℓ_r`` drafts is worth ``1 + Σ_{j≤ℓ_r} a_{r,j}`` expected
 tokens, and the round costs what the profiled cost table says for the widest verify forward:
@@ -27,11 +27,29 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def survival(confidence_BxG: jax.Array, temperatures_G: jax.Array | None = None) -> jax.Array:
-    """``a_{r,j} = Π_{k≤j} σ(z_{r,k} / T_k)``: the chance that drafts ``1..j`` all survive."""
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The confidence head's calibration for one decoding mode: per draft position a temperature
+    ``T_k`` and a bias ``b_k``, so that ``c_k = σ(z_k / T_k + b_k)`` (``training.calibrate``)."""
+
+    temperatures: tuple
+    biases: tuple
+
+    def __post_init__(self):
+        if len(self.temperatures) != len(self.biases):
+            raise ValueError(f"{len(self.temperatures)} calibration temperatures but {len(self.biases)} biases")
+        if any(not (np.isfinite(t) and t > 0) for t in self.temperatures):
+            raise ValueError(f"calibration temperatures must be positive, got {self.temperatures}")
+        if any(not np.isfinite(b) for b in self.biases):
+            raise ValueError(f"calibration biases must be finite, got {self.biases}")
+
+
+def survival(confidence_BxG: jax.Array, calibration: Calibration | None = None) -> jax.Array:
+    """``a_{r,j} = Π_{k≤j} σ(z_{r,k} / T_k + b_k)``: the chance that drafts ``1..j`` all survive
+    (``σ(z)`` without a calibration)."""
     z = confidence_BxG.astype(jnp.float32)
-    if temperatures_G is not None:
-        z = z / temperatures_G
+    if calibration is not None:
+        z = z / jnp.asarray(calibration.temperatures, jnp.float32) + jnp.asarray(calibration.biases, jnp.float32)
     return jnp.cumprod(jax.nn.sigmoid(z), axis=1)
 
 
@@ -87,12 +105,12 @@ class SchedulerPolicy:
     be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
     round that skips the draft, lets the decoder stop drafting while drafts do not pay
     (``worth_drafting``). ``None`` is a policy still to be profiled
-    (``scheduler.profile.profiled``; the CLI does it at start). ``temperatures`` (one per draft
-    slot) calibrate the confidence head (``training.calibrate``); ``None`` uses ``σ(z)``.
+    (``scheduler.profile.profiled``; the CLI does it at start). ``calibration`` (a temperature
+    and a bias per draft slot) calibrates the confidence head; ``None`` uses ``σ(z)``.
     """
 
     costs: tuple | None = None  # ((batch, ((width, seconds), ...)), ...): hashable, for the jitted step
-    temperatures: tuple | None = None
+    calibration: Calibration | None = None
 
     def __post_init__(self):
         if self.costs is not None and not self.costs:
@@ -105,13 +123,11 @@ class SchedulerPolicy:
                 raise ValueError(f"every batch's cost table must time the same verify widths: {widths} vs {list(self.widths)}")
             if any(not (np.isfinite(s) and s > 0) for _, s in table):
                 raise ValueError(f"cost table for batch {batch}: every cost must be a positive number of seconds")
-        if self.temperatures is not None and any(not (np.isfinite(t) and t > 0) for t in self.temperatures):
-            raise ValueError(f"calibration temperatures must be positive, got {self.temperatures}")
 
     @classmethod
-    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], temperatures: Sequence[float] | None = None):
+    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], calibration: Calibration | None = None):
         costs = tuple(sorted((int(b), tuple(sorted((int(w), float(s)) for w, s in t.items()))) for b, t in tables.items()))
-        return cls(costs, None if temperatures is None else tuple(float(t) for t in temperatures))
+        return cls(costs, calibration)
 
     @property
     def widths(self) -> tuple[int, ...] | None:
@@ -141,10 +157,9 @@ class SchedulerPolicy:
     def _survival(self, confidence_BxG, gamma: int) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("the scheduler needs a drafter with a confidence head")
-        if self.temperatures is not None and len(self.temperatures) != gamma:
-            raise ValueError(f"{len(self.temperatures)} calibration temperatures for a drafter of γ={gamma}")
-        temperatures = None if self.temperatures is None else jnp.asarray(self.temperatures, jnp.float32)
-        return survival(confidence_BxG, temperatures)
+        if self.calibration is not None and len(self.calibration.temperatures) != gamma:
+            raise ValueError(f"a calibration of {len(self.calibration.temperatures)} positions for a drafter of γ={gamma}")
+        return survival(confidence_BxG, self.calibration)
 
     def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
         a = self._survival(confidence_BxG, gamma)

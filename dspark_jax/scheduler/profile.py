@@ -18,6 +18,7 @@ machine, drafter and settings it was timed with.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -99,7 +100,7 @@ def profiled(decoder, batches: Sequence[int] = (1,), **kwargs):
     if not isinstance(policy, SchedulerPolicy) or policy.costs is not None:
         return decoder
     tables = {b: profile_round_costs(decoder, b, **kwargs) for b in batches}
-    return decoder.with_policy(SchedulerPolicy.from_tables(tables, policy.temperatures))
+    return decoder.with_policy(SchedulerPolicy.from_tables(tables, policy.calibration))
 
 
 def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
@@ -135,9 +136,9 @@ def load_cost_tables(path) -> dict[int, dict[int, float]]:
 
 
 def policy_summary(policy: SchedulerPolicy) -> dict:
-    """The policy's table in milliseconds and its temperatures, for logs and benchmark JSON."""
+    """The policy's table in milliseconds and its calibration, for logs and benchmark JSON."""
     return {
         "costs_ms": {str(b): {str(w): round(s * 1e3, 3) for w, s in t} for b, t in policy.costs or ()},
-        "temperatures": None if policy.temperatures is None else list(policy.temperatures),
+        "calibration": None if policy.calibration is None else dataclasses.asdict(policy.calibration),
     }
 

@@ -1,19 +1,29 @@
-"""Sequential temperature scaling (STS, spec §3.5): calibrating the confidence head for the scheduler.
+"""Calibrating the confidence head for the scheduler, one draft position after another.
 
-The scheduler ranks drafts by ``a_k = Π_{i≤k} σ(z_i / T_i)``, the predicted chance that drafts
-``1..k`` all survive, and weighs them against measured costs, so ``a_k`` must be a probability, not
-just a score. The head is trained towards ``1 − TV(p_d, p_t)``, the acceptance rate of *sampled*
-verification; greedy verification accepts on argmax agreement, which is a different rate, so
-each decoding mode gets its own temperatures (``MODES``).
+The scheduler ranks drafts by ``a_k = Π_{i≤k} σ(z_i / T_i + b_i)``, the predicted chance that
+drafts ``1..k`` all survive, and weighs them against measured costs, so ``a_k`` must be a
+probability, not just a score. The head is trained towards ``1 − TV(p_d, p_t)``, the acceptance
+rate of *sampled* verification; greedy verification accepts on argmax agreement, which is a
+different rate, so each decoding mode gets its own calibration (``MODES``).
 
 Procedure: decode held-out prompts with every draft verified (``fixed:γ``), record per round the
 confidence logits ``z_1..z_γ`` and how many drafts were accepted; the label of position ``k`` is
-``y_k = [accepted ≥ k]``. For ``k = 1..γ`` in turn, ``T_k`` is the grid value minimising the ECE
-of ``Π_{i≤k} σ(z_i / T_i)`` against ``y_k`` with ``T_1..T_{k−1}`` already fixed.
+``y_k = [accepted ≥ k]``. For ``k = 1..γ`` in turn, with ``(T_i, b_i)`` of the earlier positions
+fixed, a grid search picks position ``k``'s parameters for the survival ``Π_{i≤k} σ(z_i/T_i + b_i)``
+against ``y_k``. Two methods (``METHODS``):
+
+- ``sts``, the paper's sequential temperature scaling: ``b_k = 0``, ``T_k`` minimises the ECE.
+  A temperature only rescales the logit, so it cannot remove an offset: a head trained on answers
+  sampled unlike the ones it is calibrated on (at T = 1, say) stays over-confident.
+- ``platt`` (the default), sequential Platt scaling: ``T_k`` and ``b_k`` minimise the log loss.
+  The bias removes the offset. The criterion is a proper scoring rule because the ECE, given a
+  free bias, is minimised by flattening the predictions towards the base rate, which throws away
+  the ranking the scheduler acts on. On held-out rounds of the shipped drafter it lowers both the
+  ECE and the log loss of ``sts`` (``docs/BENCHMARKS.md``).
 
 The result lives next to the drafter's weights as ``calibration.json`` (``{"greedy": {...},
-"sampled": {...}}``, each with the temperatures, the ECE before and after per position, the
-rounds it was fitted on and the sampling used).
+"sampled": {...}}``, each with the method, temperatures and biases, the ECE and log loss before
+and after per position, the rounds it was fitted on and the sampling used).
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ import numpy as np
 
 CALIBRATION_FILE = "calibration.json"
 MODES = ("greedy", "sampled")
+METHODS = ("platt", "sts")
 ECE_BINS = 20  # DeepSpec's reporting bins (spec §3.4)
-GRID = np.geomspace(0.25, 8.0, 301)
+GRID = np.geomspace(0.25, 8.0, 301)  # temperatures
+BIAS_GRID = np.linspace(-4.0, 4.0, 321)
 
 
 def mode_of(greedy: bool) -> str:
@@ -49,33 +61,77 @@ def ece(predicted_N: np.ndarray, label_N: np.ndarray, bins: int = ECE_BINS) -> f
     return float(gap.sum() / max(len(predicted), 1)) if count.sum() else float("nan")
 
 
+def log_loss(predicted_N: np.ndarray, label_N: np.ndarray) -> np.ndarray:
+    """Mean binary log loss over the last axis (predictions clipped away from 0 and 1)."""
+    p = np.clip(np.asarray(predicted_N, np.float64), 1e-7, 1 - 1e-7)
+    y = np.asarray(label_N, np.float64)
+    return -(y * np.log(p) + (1 - y) * np.log1p(-p)).mean(-1)
+
+
 def _sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x))
 
 
-def fit_sts(logits_NxG: np.ndarray, accepted_N: np.ndarray, grid: Sequence[float] = GRID) -> dict:
-    """Per-position temperatures by sequential grid search; ECE of the survival before and after."""
+def calibrated(logits_NxG: np.ndarray, temperatures: Sequence[float], biases: Sequence[float]) -> np.ndarray:
+    """The survival ``Π_{i≤k} σ(z_i / T_i + b_i)``, ``[N, γ]`` (numpy twin of ``scheduler.prefix.survival``)."""
+    z = np.asarray(logits_NxG, np.float64)
+    return np.cumprod(_sigmoid(z / np.asarray(temperatures) + np.asarray(biases)), axis=1)
+
+
+def _best_ece(survival, z, label, grid):
+    candidates = survival[None, :] * _sigmoid(z[None, :] / grid[:, None])  # [grid, N]
+    errors = [ece(c, label) for c in candidates]
+    best = int(np.argmin(errors))
+    return float(grid[best]), 0.0
+
+
+def _best_log_loss(survival, z, label, grid, bias_grid):
+    """Coarse (every 10th temperature, every 10th bias) then fine around the coarse optimum: the
+    loss is smooth in both, and the full grid would cost 30× as much."""
+    def search(t_idx, b_idx):
+        b = bias_grid[b_idx]
+        losses = np.stack([log_loss(survival * _sigmoid(z[None, :] / t + b[:, None]), label)
+                           for t in grid[t_idx]])  # [temperatures, biases]
+        i, j = np.unravel_index(int(np.argmin(losses)), losses.shape)
+        return int(t_idx[i]), int(b_idx[j])
+
+    i, j = search(np.arange(0, len(grid), 10), np.arange(0, len(bias_grid), 10))
+    i, j = search(np.arange(max(i - 10, 0), min(i + 11, len(grid))),
+                  np.arange(max(j - 10, 0), min(j + 11, len(bias_grid))))
+    return float(grid[i]), float(bias_grid[j])
+
+
+def fit_calibration(logits_NxG: np.ndarray, accepted_N: np.ndarray, method: str = "platt",
+                    grid: Sequence[float] = GRID, bias_grid: Sequence[float] = BIAS_GRID) -> dict:
+    """Per-position temperatures and biases, fitted left to right (module docstring); the ECE
+    and log loss of the survival before (raw ``σ(z)``) and after, per position."""
+    if method not in METHODS:
+        raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
     z = np.asarray(logits_NxG, np.float64)
     n, gamma = z.shape
     if n == 0:
         raise ValueError("no rounds to calibrate on")
     labels = prefix_labels(accepted_N, gamma)
-    grid = np.asarray(grid, np.float64)
-    temperatures, before, after = [], [], []
-    raw = np.cumprod(_sigmoid(z), axis=1)
+    grid, bias_grid = np.asarray(grid, np.float64), np.asarray(bias_grid, np.float64)
+    temperatures, biases = [], []
     survival = np.ones(n)
     for k in range(gamma):
-        candidates = survival[None, :] * _sigmoid(z[None, :, k] / grid[:, None])  # [grid, N]
-        errors = [ece(c, labels[:, k]) for c in candidates]
-        best = int(np.argmin(errors))
-        temperatures.append(float(grid[best]))
-        survival = candidates[best]
-        before.append(ece(raw[:, k], labels[:, k]))
-        after.append(errors[best])
+        if method == "sts":
+            t, b = _best_ece(survival, z[:, k], labels[:, k], grid)
+        else:
+            t, b = _best_log_loss(survival, z[:, k], labels[:, k], grid, bias_grid)
+        temperatures.append(t)
+        biases.append(b)
+        survival = survival * _sigmoid(z[:, k] / t + b)
+    raw, fitted = calibrated(z, [1.0] * gamma, [0.0] * gamma), calibrated(z, temperatures, biases)
     return {
+        "method": method,
         "temperatures": temperatures,
-        "ece_before": before,
-        "ece_after": after,
+        "biases": biases,
+        "ece_before": [ece(raw[:, k], labels[:, k]) for k in range(gamma)],
+        "ece_after": [ece(fitted[:, k], labels[:, k]) for k in range(gamma)],
+        "log_loss_before": log_loss(raw.T, labels.T).tolist(),
+        "log_loss_after": log_loss(fitted.T, labels.T).tolist(),
         "observed_survival": labels.mean(0).tolist(),
         "rounds": int(n),
     }
@@ -116,8 +172,11 @@ def save_calibration(directory, mode: str, fitted: dict, **info) -> Path:
     return path
 
 
-def read_temperatures(directory, mode: str) -> list[float] | None:
-    """``mode``'s STS temperatures for the drafter in ``directory``; ``None`` when it has none."""
+def read_calibration(directory, mode: str):
+    """``mode``'s calibration (``scheduler.prefix.Calibration``) for the drafter in ``directory``;
+    ``None`` when it has none. Entries written before biases existed read with zero biases."""
+    from dspark_jax.scheduler.prefix import Calibration
+
     path = Path(directory) / CALIBRATION_FILE
     if not path.is_file():
         return None
@@ -130,4 +189,8 @@ def read_temperatures(directory, mode: str) -> list[float] | None:
     temperatures = entry.get("temperatures") if isinstance(entry, dict) else None
     if not isinstance(temperatures, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temperatures):
         raise ValueError(f"{path}: '{mode}.temperatures' must be a list of positive numbers")
-    return [float(t) for t in temperatures]
+    biases = entry.get("biases", [0.0] * len(temperatures))
+    if (not isinstance(biases, list) or len(biases) != len(temperatures)
+            or not all(isinstance(b, (int, float)) and np.isfinite(b) for b in biases)):
+        raise ValueError(f"{path}: '{mode}.biases' must be a list of {len(temperatures)} finite numbers")
+    return Calibration(tuple(float(t) for t in temperatures), tuple(float(b) for b in biases))
