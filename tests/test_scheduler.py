@@ -151,6 +151,7 @@ def test_survival_applies_the_calibration():
     np.testing.assert_allclose(survival(z, Calibration(t, b)), survival(z / jnp.asarray(t) + jnp.asarray(b)), rtol=1e-6)
     # The numpy twin the calibration is fitted with agrees.
     np.testing.assert_allclose(survival(z, Calibration(t, b)), calibrated(np.asarray(z), t, b), rtol=1e-6)
+    assert Calibration([2.0, 0.5, 1.0], [0, 0.3, -1.5]) == Calibration(t, b)  # lists become hashable tuples
     with pytest.raises(ValueError, match="positive"):
         Calibration((1.0, -1.0), (0.0, 0.0))
     with pytest.raises(ValueError, match="2 calibration temperatures but 1 biases"):

@@ -36,6 +36,9 @@ class Calibration:
     biases: tuple
 
     def __post_init__(self):
+        # Tuples of floats whatever was given: the policy holding this is a static (hashed) jit argument.
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+        object.__setattr__(self, "biases", tuple(float(b) for b in self.biases))
         if len(self.temperatures) != len(self.biases):
             raise ValueError(f"{len(self.temperatures)} calibration temperatures but {len(self.biases)} biases")
         if any(not (np.isfinite(t) and t > 0) for t in self.temperatures):

@@ -769,7 +769,8 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     get the steps that the rest of the budget affords, less ``margin`` of it for logging and
     checkpoints. The plan is written to ``budget.json`` in every run's directory, and a rerun
     with those plans resumes (same shards, same steps) instead of planning again. Configs' own
-    ``steps`` are ignored."""
+    ``steps`` are ignored. No step starts past the budget: drafters whose steps ran slower than
+    timed are checkpointed and exported with the steps they got (their metadata says how many)."""
     if not configs:
         raise ValueError("run_budgeted needs at least one config")
     if budget_s <= 0 or not 0 < data_fraction < 1 or not 0 <= margin < 1:
