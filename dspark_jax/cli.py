@@ -84,20 +84,20 @@ def check_drafter_arg(spec: str) -> None:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
 
 
-def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, greedy: bool = True):
+def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, sampling=None):
     """``(name, drafter, policy, note)`` for ``--drafter`` (a shipped name or a directory).
 
     Anything wrong (unknown name, not trained/shipped yet, not a checkpoint, does not fit the
     target) exits with one line. A threshold or scheduler policy on a drafter without a
     confidence head is an error, or with ``fallback`` runs ``fixed:γ`` and says so in ``note``.
-    A scheduler policy gets the drafter's calibration for ``greedy`` or sampled decoding.
+    A scheduler policy gets the drafter's calibrations (noted when none serves ``sampling``).
     """
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.compare import load_drafter_spec, policy_for
 
     try:
         name, drafter = load_drafter_spec(spec, target.cfg)
-        chosen, note = policy_for(drafter.cfg, policy, directory=resolve_drafter(spec)[1], greedy=greedy)
+        chosen, note = policy_for(drafter.cfg, policy, directory=resolve_drafter(spec)[1], sampling=sampling)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
     if note and not drafter.cfg.confidence_head and not fallback:
@@ -123,7 +123,8 @@ def policy_text(policy) -> str:
     if isinstance(policy, SchedulerPolicy):
         costs = "; ".join(f"B={b}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f}" for w, s in table) + " ms"
                           for b, table in policy.costs or ())
-        calibrated = "calibrated" if policy.calibration is not None else "uncalibrated"
+        fits = ", ".join("any" if c.sampling is None else c.sampling.describe() for c in policy.calibrations)
+        calibrated = f"calibrated for {fits}" if fits else "uncalibrated"
         return f"scheduler ({calibrated}; round cost {costs or 'not profiled'})"
     return repr(policy)
 
@@ -163,7 +164,7 @@ def cmd_generate(args) -> int:
     if args.drafter is not None:
         from dspark_jax.eval.compare import make_decoder
 
-        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, greedy=sampling.greedy)
+        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
         if note:
             print(f"note: {note}", file=sys.stderr)
         runner = make_decoder(target, drafter, policy)
@@ -206,7 +207,7 @@ def cmd_bench(args) -> int:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     policy = parse_policy_arg(args.policy)
-    sampling = SamplingConfig(temperature=args.temperature)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.prompts_file:
         try:
             texts = read_prompts_jsonl(args.prompts_file, args.prompts)
@@ -216,14 +217,13 @@ def cmd_bench(args) -> int:
         texts = list(DEMO_PROMPTS[: args.prompts])
     check_drafter_arg(args.drafter or DEFAULT)
     target, tokenizer = load_target(None)
-    name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, greedy=sampling.greedy)
+    name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, sampling=sampling)
     if note:
         print(f"note: {note}")
     decoder = make_decoder(target, drafter, policy)
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
-    mode = "greedy" if sampling.greedy else f"temperature {sampling.temperature:g}"
     print(f"target-only vs speculative decoding, drafter {_describe(name, drafter, decoder)}; "
-          f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {mode}")
+          f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {sampling.describe()}")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
                             stop_ids=[tokenizer.eos_token_id], sampling=sampling)
     compile_s = comparison.prepare([len(p) for p in prompts])
@@ -382,11 +382,9 @@ def cmd_calibrate(args) -> int:
         decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
         stop_ids=[tokenizer.eos_token_id], seed=args.seed)
     fitted = calibrate.fit_calibration(logits, accepted, args.method)
-    mode = calibrate.mode_of(sampling.greedy)
-    path = calibrate.save_calibration(directory, mode, fitted, drafter=name, prompts=args.prompts,
-                                      data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
-                                      sampling=dataclasses.asdict(sampling))
-    print(f"{mode} ({args.method}): {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}; "
+    path = calibrate.save_calibration(directory, fitted, sampling, drafter=name, prompts=args.prompts,
+                                      data_seed=args.data_seed, max_new_tokens=args.max_new_tokens)
+    print(f"{sampling.describe()} ({args.method}): {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}; "
           f"biases {_fmt_values(fitted['biases'])}")
     print(f"ECE of the survival per position: {_fmt_values(fitted['ece_before'])} -> {_fmt_values(fitted['ece_after'])}")
     print(f"log loss per position: {_fmt_values(fitted['log_loss_before'])} -> {_fmt_values(fitted['log_loss_after'])}")
@@ -452,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help='jsonl, one {"turns": [...]} per line, first turn used (default: the demo prompts)')
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must then be identical)")
+    bench.add_argument("--top-k", type=int, default=0, help="0 = off")
+    bench.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)

@@ -137,6 +137,13 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def describe(self) -> str:
+        """``greedy``, or e.g. ``T=0.7 top-k 20 top-p 0.8`` (the filters only when on)."""
+        if self.greedy:
+            return "greedy"
+        return " ".join([f"T={self.temperature:g}"] + ([f"top-k {self.top_k}"] if self.top_k else [])
+                        + ([f"top-p {self.top_p:g}"] if self.top_p < 1.0 else []))
+
 
 MARKOV_HEADS = ("none", "vanilla", "gated", "rnn")
 MARKOV_W1_ROWS = ("target", "draft")

@@ -34,6 +34,8 @@ sampling; the ratios and their ``_interval`` are added when they exist).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from dspark_jax.checkpoints.drafter import read_drafter_config
+    from dspark_jax.checkpoints.drafter import WEIGHTS_FILE, read_drafter_config
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.config import SamplingConfig
@@ -153,6 +155,7 @@ def main(argv=None) -> int:
         summarize,
         tau_ratio_interval,
     )
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
 
     try:
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -174,10 +177,14 @@ def main(argv=None) -> int:
     domains = load_domains(Path(args.benchmarks), args.prompts_per_domain, tokenizer)
 
     decoders, drafters = {}, {}
+    # Scheduler decoders on the same weights share the first one's profiled cost table: profiles
+    # of identical weights differ by up to 10% run to run, which would blur an A/B of calibrations.
+    profiles = {}
     for spec in args.drafter:
         chosen_here = []
+        weights = hashlib.sha256((resolve_drafter(spec)[1] / WEIGHTS_FILE).read_bytes()).hexdigest()
         for text, policy in policies:
-            name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True, greedy=sampling.greedy)
+            name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True, sampling=sampling)
             if chosen in chosen_here:  # e.g. a baseline's fixed:γ stand-in for every confidence policy
                 continue
             chosen_here.append(chosen)
@@ -185,7 +192,11 @@ def main(argv=None) -> int:
             name, n = base, 2
             while name in decoders:
                 name, n = f"{base}#{n}", n + 1
+            if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and weights in profiles:
+                chosen = dataclasses.replace(chosen, costs=profiles[weights])
             decoders[name] = make_decoder(target, drafter, chosen)
+            if isinstance(decoders[name].policy, SchedulerPolicy):
+                profiles.setdefault(weights, decoders[name].policy.costs)
             _, source = resolve_drafter(spec)
             drafters[name] = {
                 "spec": spec,

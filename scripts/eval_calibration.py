@@ -3,8 +3,8 @@
 
 Decodes ``--prompts`` generated prompts (``--data-seed``, default 1001: not the 1000 that
 ``dspark calibrate`` fits on, and no shipped drafter trained on it) verifying every draft, as
-``dspark calibrate`` does, and scores the raw confidences ``σ(z)`` and each ``--calibration``
-file's entry for the decoding mode by the ECE and the log loss of the survival
+``dspark calibrate`` does, and scores the raw confidences ``σ(z)`` and, of each ``--calibration``
+file, the entry the scheduler would serve this sampling with, by the ECE and the log loss of the survival
 ``Π_{i≤k} σ(z_i / T_i + b_i)`` per draft position. Writes JSON (``--out``).
 
     .venv/bin/python scripts/eval_calibration.py --calibration dspark_jax/drafters/smollm2_135m_dspark/calibration.json \\
@@ -27,14 +27,14 @@ from dspark_jax.cli import _encode, check_drafter_arg, load_drafter_arg, load_ta
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.eval.bench import machine_info
+from dspark_jax.scheduler.prefix import calibration_for
 from dspark_jax.training.calibrate import (
     calibrated,
     collect_rounds,
     ece,
     log_loss,
-    mode_of,
     prefix_labels,
-    read_calibration,
+    read_calibrations,
 )
 from dspark_jax.training.data import MIX, build_prompts
 
@@ -55,18 +55,20 @@ def main(argv=None) -> int:
     ap.add_argument("--data-seed", type=int, default=1001)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
-    sampling = SamplingConfig(temperature=args.temperature)
-    mode = mode_of(sampling.greedy)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
     calibrations = {}
     for path in args.calibration:
-        calibration = read_calibration(Path(path).parent, mode) if Path(path).name == "calibration.json" else None
+        fits = read_calibrations(Path(path).parent) if Path(path).name == "calibration.json" else ()
+        calibration = calibration_for(fits, sampling)
         if calibration is None:
-            raise SystemExit(f"--calibration {path}: not a calibration.json with a {mode} entry")
+            raise SystemExit(f"--calibration {path}: not a calibration.json with an entry for {sampling.describe()}")
         calibrations[path] = calibration
 
     started = time.time()
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
                         **score(calibrated(logits, calibration.temperatures, calibration.biases), labels)}
     result = {
         "drafter": name,
-        "mode": mode,
+        "mode": sampling.describe(),
         "settings": {"prompts": args.prompts, "data_seed": args.data_seed, "max_new_tokens": args.max_new_tokens,
                      "sampling": dataclasses.asdict(sampling), "seed": args.seed},
         "rounds": int(len(accepted)),

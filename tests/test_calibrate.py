@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from dspark_jax.config import SamplingConfig
 from dspark_jax.scheduler.prefix import Calibration
 from dspark_jax.training.calibrate import (
     calibrated,
@@ -13,7 +14,7 @@ from dspark_jax.training.calibrate import (
     fit_calibration,
     log_loss,
     prefix_labels,
-    read_calibration,
+    read_calibrations,
     save_calibration,
 )
 
@@ -76,23 +77,35 @@ def test_only_a_bias_removes_an_offset():
 
 def test_calibration_file_round_trip_and_errors(tmp_path):
     fitted = fit_calibration(*_rounds(np.random.default_rng(2), 2000, [1.0, 1.0]))
-    save_calibration(tmp_path, "greedy", fitted, drafter="x")
-    assert read_calibration(tmp_path, "greedy") == Calibration(tuple(fitted["temperatures"]), tuple(fitted["biases"]))
-    assert read_calibration(tmp_path, "sampled") is None
-    save_calibration(tmp_path, "sampled", fitted)
-    assert set(json.loads((tmp_path / "calibration.json").read_text())) == {"greedy", "sampled"}
-    assert read_calibration(tmp_path / "nowhere", "greedy") is None
-    with pytest.raises(ValueError, match="calibration mode"):
-        save_calibration(tmp_path, "warm", fitted)
-    # A file from before biases existed (the paper's STS): zero biases.
-    (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0, 2.0]}}))
-    assert read_calibration(tmp_path, "greedy") == Calibration((1.0, 2.0), (0.0, 0.0))
-    (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0, -2.0]}}))
-    with pytest.raises(ValueError, match="positive numbers"):
-        read_calibration(tmp_path, "greedy")
-    (tmp_path / "calibration.json").write_text(json.dumps({"greedy": {"temperatures": [1.0], "biases": [0, 1]}}))
-    with pytest.raises(ValueError, match="list of 1 finite numbers"):
-        read_calibration(tmp_path, "greedy")
+    greedy, t1, t07 = SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(0.7, top_k=20, top_p=0.8)
+    save_calibration(tmp_path, fitted, greedy, drafter="x")
+    fit = (tuple(fitted["temperatures"]), tuple(fitted["biases"]))
+    assert read_calibrations(tmp_path) == (Calibration(*fit, greedy),)
+    # One fit per sampling setting: a second setting is added, the same setting replaced.
+    save_calibration(tmp_path, fitted, t1)
+    save_calibration(tmp_path, {**fitted, "biases": [0.5, 0.5]}, t07)
+    save_calibration(tmp_path, {**fitted, "biases": [0.25, 0.25]}, t07)
+    assert read_calibrations(tmp_path) == (Calibration(*fit, greedy), Calibration(*fit, t1),
+                                           Calibration(fit[0], (0.25, 0.25), t07))
+    body = json.loads((tmp_path / "calibration.json").read_text())
+    assert set(body) == {"greedy", "sampled"} and len(body["sampled"]) == 2 and body["greedy"]["drafter"] == "x"
+    assert read_calibrations(tmp_path / "nowhere") == ()
+    # Files from before: one sampled entry (a dict), entries without biases (the paper's STS) or
+    # without the sampling they were fitted on (greedy's is greedy; a sampled one serves any).
+    (tmp_path / "calibration.json").write_text(json.dumps({
+        "greedy": {"temperatures": [1.0, 2.0]},
+        "sampled": {"temperatures": [3.0, 1.0], "biases": [0.1, 0.2]}}))
+    assert read_calibrations(tmp_path) == (Calibration((1.0, 2.0), (0.0, 0.0), greedy), Calibration((3.0, 1.0), (0.1, 0.2)))
+    for body, message in [
+        ({"greedy": {"temperatures": [1.0, -2.0]}}, "positive numbers"),
+        ({"greedy": {"temperatures": [1.0], "biases": [0, 1]}}, "list of 1 finite numbers"),
+        ({"sampled": [{"temperatures": [1.0], "sampling": {"temperature": 1.0, "top_q": 3}}]}, "not a sampling setting"),
+        ({"sampled": [{"temperatures": [1.0], "sampling": {"temperature": 0.0}}]}, "fitted on greedy decoding"),
+        ([1, 2], "not a calibration file"),
+    ]:
+        (tmp_path / "calibration.json").write_text(json.dumps(body))
+        with pytest.raises(ValueError, match=message):
+            read_calibrations(tmp_path)
     with pytest.raises(ValueError, match="no rounds"):
         fit_calibration(np.zeros((0, 3)), np.zeros(0))
     with pytest.raises(ValueError, match="calibration method"):

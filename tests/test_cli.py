@@ -33,6 +33,10 @@ def test_generate_prints_text_and_speed(target_only_france):
 def test_bad_sampling_arguments_are_clear_errors(capsys):
     assert main(["generate", "--prompt", "Hi", "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+    assert main(["bench", "--temperature", "0.7", "--top-p", "0"]) == 2  # bench samples as generate does
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["calibrate", "--temperature", "0.7", "--top-k", "-3"]) == 2
+    assert "top_k must be an int >= 0" in capsys.readouterr().err
 
 
 def test_empty_prompt_is_refused():
@@ -143,8 +147,8 @@ def test_threshold_policy_needs_a_confidence_head():
     assert policy_for(dspark, ThresholdPolicy(0.5)) == (ThresholdPolicy(0.5), None)
 
 
-def test_scheduler_policy_gets_the_drafters_calibration_for_the_mode(tmp_path):
-    from dspark_jax.config import DrafterConfig
+def test_scheduler_policy_gets_the_drafters_calibrations(tmp_path):
+    from dspark_jax.config import DrafterConfig, SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy
     from dspark_jax.eval.compare import policy_for
     from dspark_jax.scheduler.prefix import Calibration, SchedulerPolicy
@@ -155,13 +159,18 @@ def test_scheduler_policy_gets_the_drafters_calibration_for_the_mode(tmp_path):
     policy, note = policy_for(dflash, SchedulerPolicy())
     assert policy == FixedPolicy(5) and "instead of scheduler" in note
     dspark = DrafterConfig.for_target(tiny_config(), num_layers=1, tap_layers=(0, 1), mask_token_id=0)
-    save_calibration(tmp_path, "greedy", {"temperatures": [2.0] * 7, "biases": [-0.5] * 7})
-    expected = SchedulerPolicy(calibration=Calibration((2.0,) * 7, (-0.5,) * 7))
+    save_calibration(tmp_path, {"temperatures": [2.0] * 7, "biases": [-0.5] * 7}, SamplingConfig())
+    expected = SchedulerPolicy(calibrations=(Calibration((2.0,) * 7, (-0.5,) * 7, SamplingConfig()),))
     assert policy_for(dspark, SchedulerPolicy(), directory=tmp_path) == (expected, None)
-    policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, greedy=False)
-    assert policy == SchedulerPolicy() and "no sampled calibration" in note
-    given = Calibration((1.0,) * 7, (0.0,) * 7)
-    assert policy_for(dspark, SchedulerPolicy(calibration=given), directory=tmp_path)[0].calibration == given
+    # Sampled requests have no fit of their own: the policy still carries the greedy one, and says so.
+    t07 = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8)
+    policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=t07)
+    assert policy == expected and "no calibration for T=0.7 top-k 20 top-p 0.8 decoding" in note
+    save_calibration(tmp_path, {"temperatures": [1.0] * 7, "biases": [0.0] * 7}, SamplingConfig(temperature=1.0))
+    policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=t07)
+    assert len(policy.calibrations) == 2 and note is None
+    given = (Calibration((1.0,) * 7, (0.0,) * 7),)
+    assert policy_for(dspark, SchedulerPolicy(calibrations=given), directory=tmp_path)[0].calibrations == given
 
 
 def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, target_only_france, shared_target,
@@ -184,7 +193,7 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert main(["generate", *FRANCE, "--drafter", str(drafter), "--policy", f"scheduler:{costs}"]) == 0
     out, err = capsys.readouterr()
     assert out == plain  # greedy: the target's text, whatever the scheduler verified
-    assert "policy scheduler (calibrated; round cost B=1: plain " in err and ", W8 " in err
+    assert "policy scheduler (calibrated for greedy; round cost B=1: plain " in err and ", W8 " in err
 
 
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
@@ -218,21 +227,35 @@ def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared
 
 def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_target,
                                                                        random_drafter_dir):
+    import shutil
+
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.training.calibrate import save_calibration
+
     spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "scripts" / "bench_speculative.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     with pytest.raises(SystemExit):
         script.parse_args(["--seeds", "2"])  # greedy: one path whatever the seed
+    # The same weights twice under the scheduler, one copy calibrated for T = 1: they share one
+    # profiled cost table, and each is served by its own calibration.
+    calibrated = tmp_path / "calibrated"
+    shutil.copytree(random_drafter_dir, calibrated)
+    save_calibration(calibrated, {"temperatures": [1.5] * 7, "biases": [-0.5] * 7}, SamplingConfig(temperature=1.0))
     out = tmp_path / "bench.json"
     argv = ["--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--drafter", str(random_drafter_dir),
-            "--prompts-per-domain", "1", "--max-new-tokens", "4", "--temperature", "1", "--seeds", "2",
-            "--out", str(out), "--no-plot"]
+            "--drafter", str(calibrated), "--policy", "scheduler", "--prompts-per-domain", "1", "--max-new-tokens", "4",
+            "--temperature", "1", "--seeds", "2", "--out", str(out), "--no-plot"]
     assert script.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["settings"]["seeds"] == 2 and data["summary"]["identical"] is None
     for domain in ("math", "code", "chat"):
         d = data["results"]["random_dspark"]["domains"][domain]
         assert d["prompts"] == 2 and [p["prompt"].rsplit(":", 1)[1] for p in d["per_prompt"]] == ["path0", "path1"]
+    raw, fitted = (data["drafters"][name]["policy"] for name in ("random_dspark", "calibrated"))
+    assert raw.startswith("scheduler (uncalibrated; round cost B=1: ")
+    assert fitted.startswith("scheduler (calibrated for T=1; round cost B=1: ")
+    assert raw.split("round cost")[1] == fitted.split("round cost")[1]
 
 
 def _eval_heldout_script():

@@ -85,7 +85,7 @@ def test_a_rows_logits_do_not_depend_on_its_index_in_a_strict_forward(setup):
 class AlternatingPolicy:
     """ℓ = 0 on even rows, 3 on odd rows: both lengths from one compiled decoder."""
 
-    def lengths(self, confidence_BxG, gamma, active_B):
+    def lengths(self, confidence_BxG, gamma, active_B, sampling):
         return jnp.where(jnp.arange(confidence_BxG.shape[0]) % 2 == 0, 0, 3).astype(jnp.int32)
 
 

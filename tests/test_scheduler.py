@@ -17,6 +17,8 @@ from dspark_jax.scheduler.prefix import (
     PLAIN,
     Calibration,
     SchedulerPolicy,
+    calibration_for,
+    calibration_index,
     prefix_lengths,
     survival,
 )
@@ -28,6 +30,10 @@ from dspark_jax.scheduler.profile import (
 )
 from dspark_jax.training.calibrate import calibrated
 from tests.prompts import mixed_prompts, random_drafter
+
+
+def greedy(batch):
+    return SamplingParams.broadcast(SamplingConfig(), batch)
 
 
 def algorithm_1(a_BxG, active_B, widths, costs, baseline_cost=None):
@@ -148,9 +154,9 @@ def test_survival_applies_the_calibration():
     z = jnp.asarray([[2.0, -1.0, 0.5]])
     np.testing.assert_allclose(survival(z), np.cumprod(1 / (1 + np.exp(-np.asarray(z))), axis=1), rtol=1e-6)
     t, b = (2.0, 0.5, 1.0), (0.0, 0.3, -1.5)
-    np.testing.assert_allclose(survival(z, Calibration(t, b)), survival(z / jnp.asarray(t) + jnp.asarray(b)), rtol=1e-6)
+    np.testing.assert_allclose(survival(z, t, b), survival(z / jnp.asarray(t) + jnp.asarray(b)), rtol=1e-6)
     # The numpy twin the calibration is fitted with agrees.
-    np.testing.assert_allclose(survival(z, Calibration(t, b)), calibrated(np.asarray(z), t, b), rtol=1e-6)
+    np.testing.assert_allclose(survival(z, t, b), calibrated(np.asarray(z), t, b), rtol=1e-6)
     assert Calibration([2.0, 0.5, 1.0], [0, 0.3, -1.5]) == Calibration(t, b)  # lists become hashable tuples
     with pytest.raises(ValueError, match="positive"):
         Calibration((1.0, -1.0), (0.0, 0.0))
@@ -160,18 +166,59 @@ def test_survival_applies_the_calibration():
         Calibration((1.0,), (float("nan"),))
 
 
+def test_each_request_is_served_by_the_calibration_of_its_own_sampling():
+    greedy_fit = Calibration((0.5,) * 3, (0.2,) * 3, SamplingConfig())
+    t1_fit = Calibration((1.5,) * 3, (-0.6,) * 3, SamplingConfig(temperature=1.0))
+    t07_fit = Calibration((1.2,) * 3, (-0.3,) * 3, SamplingConfig(temperature=0.7, top_k=20, top_p=0.8))
+    any_fit = Calibration((2.0,) * 3, (0.0,) * 3)
+    rows = [SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=20, top_p=0.8),
+            SamplingConfig(temperature=0.8), SamplingConfig(temperature=0.9, top_p=0.8), SamplingConfig(temperature=1.6),
+            SamplingConfig(temperature=0.7), SamplingConfig(temperature=0.7, top_k=50, top_p=0.8)]
+    params = SamplingParams.from_configs(rows)
+
+    def index(*calibrations):
+        return np.asarray(calibration_index(calibrations, params)).tolist()
+
+    # Greedy rows take the greedy fit; sampled rows the nearest temperature, then top-p, then top-k.
+    assert index(greedy_fit, t1_fit, t07_fit) == [0, 1, 2, 2, 1, 1, 2, 2]
+    assert index(t07_fit, t1_fit, Calibration((1.0,) * 3, (0.1,) * 3, SamplingConfig(temperature=0.7))) == [3, 1, 0, 2, 1, 1, 2, 0]
+    # A mode without a fit of its own falls back to the fit for any decoding, else to none (raw σ(z)).
+    assert index(greedy_fit) == [0] + [1] * 7
+    assert index(t1_fit) == [1] + [0] * 7
+    assert index(any_fit, greedy_fit) == [1] + [0] * 7
+    assert index(any_fit) == [0] * 8 and index() == [0] * 8
+    for config in rows:  # the host-side lookup is the same rule
+        expected = index(greedy_fit, t1_fit, t07_fit)[rows.index(config)]
+        assert calibration_for((greedy_fit, t1_fit, t07_fit), config) == (greedy_fit, t1_fit, t07_fit)[expected]
+    assert calibration_for((greedy_fit,), SamplingConfig(temperature=1.0)) is None
+
+    # In one batch, each row's survival is computed with its own fit, and none means σ(z).
+    z = jnp.asarray(np.random.default_rng(0).normal(0.0, 2.0, (len(rows), 3)), jnp.float32)
+    policy = SchedulerPolicy(calibrations=(greedy_fit, t1_fit))
+    got = np.asarray(policy._survival(z, 3, params))
+    for row, config in enumerate(rows):
+        fit = calibration_for(policy.calibrations, config)
+        expected = survival(z[row:row + 1]) if fit is None else survival(z[row:row + 1], fit.temperatures, fit.biases)
+        np.testing.assert_allclose(got[row:row + 1], expected, rtol=1e-6)
+
+
 def test_policy_errors_name_the_problem(tmp_path):
     table = {1: {1: 0.03, 2: 0.035, 4: 0.04, 8: 0.05}}
     policy = SchedulerPolicy.from_tables(table)
     z = jnp.zeros((2, 7))
     with pytest.raises(ValueError, match="no batch size 2"):
-        policy.lengths(z, 7, jnp.ones((2,), bool))
+        policy.lengths(z, 7, jnp.ones((2,), bool), greedy(2))
     with pytest.raises(ValueError, match="confidence head"):
-        policy.lengths(None, 7, jnp.ones((1,), bool))
+        policy.lengths(None, 7, jnp.ones((1,), bool), greedy(1))
     with pytest.raises(ValueError, match="no cost table yet"):
-        SchedulerPolicy().lengths(z[:1], 7, jnp.ones((1,), bool))
+        SchedulerPolicy().lengths(z[:1], 7, jnp.ones((1,), bool), greedy(1))
     with pytest.raises(ValueError, match="a calibration of 3 positions"):
-        SchedulerPolicy.from_tables(table, Calibration((1.0,) * 3, (0.0,) * 3)).lengths(z[:1], 7, jnp.ones((1,), bool))
+        SchedulerPolicy.from_tables(table, [Calibration((1.0,) * 3, (0.0,) * 3)]).lengths(z[:1], 7, jnp.ones((1,), bool),
+                                                                                        greedy(1))
+    with pytest.raises(ValueError, match="two calibrations for the same sampling"):
+        SchedulerPolicy(calibrations=[Calibration((1.0,), (0.0,)), Calibration((2.0,), (0.0,))])
+    with pytest.raises(ValueError, match="different lengths"):
+        SchedulerPolicy(calibrations=[Calibration((1.0,), (0.0,)), Calibration((1.0,) * 2, (0.0,) * 2, SamplingConfig())])
     with pytest.raises(ValueError, match="positive"):
         SchedulerPolicy.from_tables({1: {1: 0.0, 8: 1.0}})
     with pytest.raises(ValueError, match="same verify widths"):
@@ -238,8 +285,8 @@ def test_worth_drafting_compares_with_a_round_without_a_draft():
     table = {1: {PLAIN: 0.6, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}
     z = jnp.asarray([[3.0] * 7])  # σ ≈ 0.95 each: drafts pay
     active = jnp.ones((1,), bool)
-    assert bool(SchedulerPolicy.from_tables(table).worth_drafting(z, active))
-    assert not bool(SchedulerPolicy.from_tables(table).worth_drafting(-z, active))  # σ ≈ 0.05: they do not
+    assert bool(SchedulerPolicy.from_tables(table).worth_drafting(z, active, greedy(1)))
+    assert not bool(SchedulerPolicy.from_tables(table).worth_drafting(-z, active, greedy(1)))  # σ ≈ 0.05: they do not
     # The one-comparison shortcut is Algorithm 1 against the plain baseline, on random batches.
     rng = np.random.default_rng(3)
     for _ in range(100):
@@ -249,9 +296,9 @@ def test_worth_drafting_compares_with_a_round_without_a_draft():
         rows = jnp.asarray(rng.uniform(size=batch) < 0.8)
         widths, seconds, plain = policy._table(batch)
         full = prefix_lengths(survival(logits), rows, widths, seconds, baseline_cost=plain)
-        assert bool(policy.worth_drafting(logits, rows)) == bool(jnp.any(full > 0))
+        assert bool(policy.worth_drafting(logits, rows, greedy(batch))) == bool(jnp.any(full > 0))
     no_plain = SchedulerPolicy.from_tables({1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}})
-    assert bool(no_plain.worth_drafting(-z, active))
+    assert bool(no_plain.worth_drafting(-z, active, greedy(1)))
     assert SchedulerPolicy.from_tables(table).widths == (1, 2, 4, 8)
 
 

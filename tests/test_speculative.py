@@ -18,6 +18,7 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
+from dspark_jax.sampling import SamplingParams
 from tests.prompts import mixed_prompts, random_drafter
 from tests.tiny import sharp_tiny_target
 
@@ -89,7 +90,7 @@ def test_greedy_equals_target_only_when_every_draft_is_accepted(real, k):
 class ScrambledPolicy:
     """Verify lengths that jump around from row to row and round to round (data, not shapes)."""
 
-    def lengths(self, confidence_BxG, gamma, active_B):
+    def lengths(self, confidence_BxG, gamma, active_B, sampling):
         return jnp.abs(confidence_BxG[:, 0] * 1e4).astype(jnp.int32) % (gamma + 1)
 
 
@@ -113,11 +114,12 @@ def test_no_recompilation_with_varying_verify_lengths(real):
 
 
 def test_threshold_policy_truncates_at_the_first_unconfident_slot():
+    greedy = SamplingParams.broadcast(SamplingConfig(), 3)  # fixed and threshold policies do not read it
     z = jnp.asarray([[2.0, 2.0, -2.0, 2.0], [-2.0, 2.0, 2.0, 2.0], [2.0, 2.0, 2.0, 2.0]])
-    np.testing.assert_array_equal(ThresholdPolicy(0.5).lengths(z, 4, jnp.ones((3,), bool)), [2, 0, 4])
-    np.testing.assert_array_equal(FixedPolicy(9).lengths(z, 4, jnp.ones((3,), bool)), [4, 4, 4])
+    np.testing.assert_array_equal(ThresholdPolicy(0.5).lengths(z, 4, jnp.ones((3,), bool), greedy), [2, 0, 4])
+    np.testing.assert_array_equal(FixedPolicy(9).lengths(z, 4, jnp.ones((3,), bool), greedy), [4, 4, 4])
     with pytest.raises(ValueError, match="confidence head"):
-        ThresholdPolicy(0.5).lengths(None, 4, jnp.ones((3,), bool))
+        ThresholdPolicy(0.5).lengths(None, 4, jnp.ones((3,), bool), greedy)
 
 
 def test_bad_input_is_a_clear_error(real):

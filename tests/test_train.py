@@ -286,6 +286,27 @@ def test_training_on_token_ids_computes_the_features_the_cache_holds(tiny_parts)
     np.testing.assert_allclose(metrics_online["tau_probabilistic"], metrics["tau_probabilistic"], rtol=1e-5)
 
 
+def test_trainers_on_one_mesh_share_one_batch_completion(tmp_path, tiny_parts, embedded_target):
+    """Drafters trained together from token ids hold the frozen target's weights and its compiled
+    completer once, not once per drafter; a drafter tapping other layers cannot share them."""
+    config, _, sequences = tiny_parts
+    target = embedded_target[0].truncated(3)  # room for another tapped layer below the last
+    online = dataclasses.replace(config, out_dir=str(tmp_path / "first"),
+                                 cache=dataclasses.replace(config.cache, store_features=False))
+    ids_only = [dataclasses.replace(s, features=None, hidden=None, lse=None) for s in sequences]
+    first = Trainer(online, target, ids_only)
+    second = Trainer(dataclasses.replace(online, out_dir=str(tmp_path / "second"), seed=1), target, ids_only,
+                     completion_from=first)
+    assert first.complete is not None and second.complete is first.complete
+    assert second.target_params is first.target_params
+    cached = dataclasses.replace(config, out_dir=str(tmp_path / "cached"))
+    assert Trainer(cached, target, sequences, completion_from=first).complete is None  # features cached: nothing to complete
+    other_taps = dataclasses.replace(online, out_dir=str(tmp_path / "other"),
+                                     cache=dataclasses.replace(online.cache, tap_layers=(1,)))
+    with pytest.raises(ValueError, match="cannot share .* batch completion"):
+        Trainer(other_taps, target, ids_only, completion_from=first)
+
+
 def _budget_configs(tmp_path, kinds=("dspark", "dflash", "eagle3")):
     """tiny_test's DSpark drafter and its baselines on 16 prompts, in a cache of token ids."""
     config = load_config(TINY)

@@ -56,7 +56,7 @@ class FixedPolicy:
         if self.k < 0:
             raise ValueError(f"fixed policy needs k >= 0 drafted tokens, got {self.k}")
 
-    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+    def lengths(self, confidence_BxG, gamma: int, active_B, sampling) -> jax.Array:
         return jnp.full(active_B.shape, min(self.k, gamma), jnp.int32)
 
 
@@ -70,7 +70,7 @@ class ThresholdPolicy:
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1], got {self.threshold}")
 
-    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
+    def lengths(self, confidence_BxG, gamma: int, active_B, sampling) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("a threshold policy needs a drafter with a confidence head")
         keep = jax.nn.sigmoid(confidence_BxG) >= self.threshold
@@ -149,7 +149,7 @@ def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_
     block, confidence = drafter.propose(
         embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
     )
-    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B), active_B.shape)
+    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B, sampling), active_B.shape)
     return block, jnp.where(active_B, lengths, 0), confidence
 
 
@@ -278,7 +278,7 @@ class SpeculativeDecoder:
         gamma = self.cfg.block_size
         if not self.cfg.confidence_head:
             # A policy that needs confidence fails here, not at the first draft.
-            jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool)))
+            jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool), SamplingParams.broadcast(SamplingConfig(), 1)))
         check_widths = getattr(policy, "check_widths", None)
         if check_widths is not None:
             check_widths(self.verify_widths)
@@ -316,7 +316,7 @@ class SpeculativeDecoder:
         for width in self.verify_widths:
             block, _, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
             if self._worth_drafting is not None:
-                self._worth_drafting(confidence, active)
+                self._worth_drafting(confidence, active, params)
             lengths = jnp.zeros((batch,), jnp.int32)
             _, state = self._verify(
                 self.target.params, self.drafter_state, state, block, lengths, keys, params, active,
@@ -407,7 +407,7 @@ class SpeculativeDecoder:
                 active_j, stops, width=width,
             )
             if drafting and self._worth_drafting is not None:
-                if bool(self._worth_drafting(confidence, active_j)):
+                if bool(self._worth_drafting(confidence, active_j, params)):
                     skip = 0
                 else:
                     skip = min(max(2 * skip, 1), MAX_PLAIN_ROUNDS)

@@ -70,31 +70,32 @@ def load_drafter_spec(spec: str, target_cfg):
     return name, load_drafter(path, target=target_cfg)
 
 
-def policy_for(drafter_cfg, policy, *, directory=None, greedy: bool = True):
+def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     """The policy to run ``drafter_cfg`` with, and a note when it had to differ from ``policy``.
 
     ``None`` keeps the decoder's default. Threshold and scheduler policies need a confidence head;
     drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``). A
-    scheduler policy without a calibration gets the drafter's calibration for this decoding
-    mode from ``directory/calibration.json`` (``training.calibrate``); without one it runs on the
-    raw confidences, and the note says so.
+    scheduler policy without calibrations gets the drafter's from ``directory/calibration.json``
+    (``training.calibrate``; each request is served by the one for its own sampling); when none
+    serves ``sampling`` (default greedy) the note says that it runs on the raw confidences.
     """
     import dataclasses
 
+    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
-    from dspark_jax.scheduler.prefix import SchedulerPolicy
-    from dspark_jax.training.calibrate import mode_of, read_calibration
+    from dspark_jax.scheduler.prefix import SchedulerPolicy, calibration_for
+    from dspark_jax.training.calibrate import read_calibrations
 
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
         gamma = drafter_cfg.block_size
         asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
-    if isinstance(policy, SchedulerPolicy) and policy.calibration is None:
-        mode = mode_of(greedy)
-        calibration = None if directory is None else read_calibration(directory, mode)
-        if calibration is None:
-            return policy, f"no {mode} calibration for this drafter (dspark calibrate): the scheduler uses raw confidences"
-        return dataclasses.replace(policy, calibration=calibration), None
+    if isinstance(policy, SchedulerPolicy) and not policy.calibrations:
+        sampling = SamplingConfig() if sampling is None else sampling
+        policy = dataclasses.replace(policy, calibrations=() if directory is None else read_calibrations(directory))
+        if calibration_for(policy.calibrations, sampling) is None:
+            return policy, (f"no calibration for {sampling.describe()} decoding for this drafter (dspark calibrate): "
+                            "the scheduler uses raw confidences")
     return policy, None
 
 

@@ -26,14 +26,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.config import SamplingConfig
+from dspark_jax.sampling import SamplingParams
+
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The confidence head's calibration for one decoding mode: per draft position a temperature
-    ``T_k`` and a bias ``b_k``, so that ``c_k = σ(z_k / T_k + b_k)`` (``training.calibrate``)."""
+    """The confidence head's calibration for one way of decoding: per draft position a temperature
+    ``T_k`` and a bias ``b_k``, so that ``c_k = σ(z_k / T_k + b_k)`` (``training.calibrate``).
+
+    ``sampling`` is the decoding it was fitted on (greedy, or a temperature with top-k/top-p):
+    acceptance, and so the right calibration, depends on it. ``None`` serves any decoding that
+    has no calibration of its own (``calibration_index``).
+    """
 
     temperatures: tuple
     biases: tuple
+    sampling: SamplingConfig | None = None
 
     def __post_init__(self):
         # Tuples of floats whatever was given: the policy holding this is a static (hashed) jit argument.
@@ -45,14 +54,60 @@ class Calibration:
             raise ValueError(f"calibration temperatures must be positive, got {self.temperatures}")
         if any(not np.isfinite(b) for b in self.biases):
             raise ValueError(f"calibration biases must be finite, got {self.biases}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"a calibration's sampling must be a SamplingConfig or None, got {self.sampling!r}")
 
 
-def survival(confidence_BxG: jax.Array, calibration: Calibration | None = None) -> jax.Array:
-    """``a_{r,j} = Π_{k≤j} σ(z_{r,k} / T_k + b_k)``: the chance that drafts ``1..j`` all survive
-    (``σ(z)`` without a calibration)."""
-    z = confidence_BxG.astype(jnp.float32)
-    if calibration is not None:
-        z = z / jnp.asarray(calibration.temperatures, jnp.float32) + jnp.asarray(calibration.biases, jnp.float32)
+# top-k 0 (no filter) compared as a very large k, so that it is nearest to large k's.
+_NO_TOP_K = float(2**30)
+
+
+def calibration_index(calibrations: Sequence[Calibration], sampling: SamplingParams) -> jax.Array:
+    """Per request, the index of the calibration that serves it; ``len(calibrations)`` for none
+    (the raw ``σ(z)``).
+
+    A greedy request takes the greedy calibration. A sampled one takes the sampled calibration
+    nearest to its own setting: nearest temperature, then nearest top-p, then nearest top-k. A
+    request whose mode (greedy or sampled) has no calibration takes the one fitted for any
+    decoding (``sampling=None``), else none. Runs inside the jitted draft step: each request of a
+    batch is served by its own sampling.
+    """
+    greedy_B = sampling.temperature_B <= 0.0
+    top_k_B = jnp.where(sampling.top_k_B > 0, sampling.top_k_B.astype(jnp.float32), _NO_TOP_K)
+    zero = jnp.zeros(greedy_B.shape, jnp.float32)
+    keys = []  # per calibration and the "none" option: (tier, |ΔT|, |Δtop-p|, |Δtop-k|), compared in that order
+    for c in calibrations:
+        s = c.sampling
+        if s is None:
+            keys.append((zero + 1, zero, zero, zero))
+        elif s.greedy:
+            keys.append((jnp.where(greedy_B, 0.0, 3.0), zero, zero, zero))
+        else:
+            sampled_B = ~greedy_B
+            keys.append((
+                jnp.where(sampled_B, 0.0, 3.0),
+                jnp.where(sampled_B, jnp.abs(sampling.temperature_B - s.temperature), 0.0),
+                jnp.where(sampled_B, jnp.abs(sampling.top_p_B - s.top_p), 0.0),
+                jnp.where(sampled_B, jnp.abs(top_k_B - (s.top_k or _NO_TOP_K)), 0.0),
+            ))
+    keys.append((zero + 2, zero, zero, zero))
+    candidate = jnp.ones((greedy_B.shape[0], len(keys)), bool)
+    for part in range(4):  # lexicographic: keep the candidates that are best in each part in turn
+        value = jnp.where(candidate, jnp.stack([k[part] for k in keys], axis=1), jnp.inf)
+        candidate &= value <= jnp.min(value, axis=1, keepdims=True)
+    return jnp.argmax(candidate, axis=1).astype(jnp.int32)
+
+
+def calibration_for(calibrations: Sequence[Calibration], sampling: SamplingConfig) -> Calibration | None:
+    """The calibration that serves requests decoded with ``sampling`` (``calibration_index``)."""
+    index = int(calibration_index(tuple(calibrations), SamplingParams.broadcast(sampling, 1))[0])
+    return calibrations[index] if index < len(calibrations) else None
+
+
+def survival(confidence_BxG: jax.Array, temperatures=1.0, biases=0.0) -> jax.Array:
+    """``a_{r,j} = Π_{k≤j} σ(z_{r,k} / T_k + b_k)``: the chance that drafts ``1..j`` all survive.
+    ``temperatures`` and ``biases`` broadcast against ``[B, γ]`` (defaults: the raw ``σ(z)``)."""
+    z = confidence_BxG.astype(jnp.float32) / jnp.asarray(temperatures, jnp.float32) + jnp.asarray(biases, jnp.float32)
     return jnp.cumprod(jax.nn.sigmoid(z), axis=1)
 
 
@@ -108,14 +163,24 @@ class SchedulerPolicy:
     be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
     round that skips the draft, lets the decoder stop drafting while drafts do not pay
     (``worth_drafting``). ``None`` is a policy still to be profiled
-    (``scheduler.profile.profiled``; the CLI does it at start). ``calibration`` (a temperature
-    and a bias per draft slot) calibrates the confidence head; ``None`` uses ``σ(z)``.
+    (``scheduler.profile.profiled``; the CLI does it at start). ``calibrations`` (a temperature and
+    a bias per draft slot, one set per way of decoding) calibrate the confidence head, each request
+    by the one for its own sampling (``calibration_index``); none: ``σ(z)``.
     """
 
     costs: tuple | None = None  # ((batch, ((width, seconds), ...)), ...): hashable, for the jitted step
-    calibration: Calibration | None = None
+    calibrations: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "calibrations", tuple(self.calibrations))
+        if not all(isinstance(c, Calibration) for c in self.calibrations):
+            raise ValueError(f"calibrations must be Calibration objects, got {self.calibrations!r}")
+        if len({len(c.temperatures) for c in self.calibrations}) > 1:
+            raise ValueError("calibrations of different lengths: "
+                             f"{sorted({len(c.temperatures) for c in self.calibrations})} positions")
+        fitted_on = [c.sampling for c in self.calibrations]
+        if len(set(fitted_on)) != len(fitted_on):
+            raise ValueError(f"two calibrations for the same sampling: {fitted_on}")
         if self.costs is not None and not self.costs:
             raise ValueError("a scheduler policy needs a cost table for at least one batch size")
         for batch, table in self.costs or ():
@@ -128,9 +193,9 @@ class SchedulerPolicy:
                 raise ValueError(f"cost table for batch {batch}: every cost must be a positive number of seconds")
 
     @classmethod
-    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], calibration: Calibration | None = None):
+    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], calibrations: Sequence[Calibration] = ()):
         costs = tuple(sorted((int(b), tuple(sorted((int(w), float(s)) for w, s in t.items()))) for b, t in tables.items()))
-        return cls(costs, calibration)
+        return cls(costs, tuple(calibrations))
 
     @property
     def widths(self) -> tuple[int, ...] | None:
@@ -157,19 +222,23 @@ class SchedulerPolicy:
         raise ValueError(f"the scheduler's cost table has no batch size {batch} (profiled: {profiled}); "
                          "profile that batch size (`dspark profile --batch ...`)")
 
-    def _survival(self, confidence_BxG, gamma: int) -> jax.Array:
+    def _survival(self, confidence_BxG, gamma: int, sampling: SamplingParams) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("the scheduler needs a drafter with a confidence head")
-        if self.calibration is not None and len(self.calibration.temperatures) != gamma:
-            raise ValueError(f"a calibration of {len(self.calibration.temperatures)} positions for a drafter of γ={gamma}")
-        return survival(confidence_BxG, self.calibration)
+        if self.calibrations and len(self.calibrations[0].temperatures) != gamma:
+            raise ValueError(f"a calibration of {len(self.calibrations[0].temperatures)} positions for a drafter of γ={gamma}")
+        index_B = calibration_index(self.calibrations, sampling)
+        raw = ((1.0,) * gamma, (0.0,) * gamma)
+        temperatures = jnp.asarray([c.temperatures for c in self.calibrations] + [raw[0]], jnp.float32)
+        biases = jnp.asarray([c.biases for c in self.calibrations] + [raw[1]], jnp.float32)
+        return survival(confidence_BxG, temperatures[index_B], biases[index_B])
 
-    def lengths(self, confidence_BxG, gamma: int, active_B) -> jax.Array:
-        a = self._survival(confidence_BxG, gamma)
+    def lengths(self, confidence_BxG, gamma: int, active_B, sampling: SamplingParams) -> jax.Array:
+        a = self._survival(confidence_BxG, gamma, sampling)
         widths, seconds, _ = self._table(confidence_BxG.shape[0])
         return prefix_lengths(a, active_B, widths, seconds)
 
-    def worth_drafting(self, confidence_BxG, active_B) -> jax.Array:
+    def worth_drafting(self, confidence_BxG, active_B, sampling: SamplingParams) -> jax.Array:
         """Whether this round's drafts beat not drafting at all: whether Algorithm 1, with the
         plain round's cost as the "verify nothing" baseline, admits anything. The decoder asks
         after a round, to decide whether the next rounds draft (a choice made before their drafts
@@ -181,7 +250,7 @@ class SchedulerPolicy:
         widths, seconds, plain = self._table(confidence_BxG.shape[0])
         if plain is None:
             return jnp.ones((), bool)
-        a_1 = jnp.where(active_B, self._survival(confidence_BxG, confidence_BxG.shape[1])[:, 0], 0.0)
+        a_1 = jnp.where(active_B, self._survival(confidence_BxG, confidence_BxG.shape[1], sampling)[:, 0], 0.0)
         requests = jnp.sum(active_B.astype(jnp.float32))
         one_draft = seconds[next(i for i, w in enumerate(widths) if w >= 2)]
         # (requests + a) / one_draft > requests / plain, multiplied out as in prefix_lengths.

@@ -100,7 +100,7 @@ def profiled(decoder, batches: Sequence[int] = (1,), **kwargs):
     if not isinstance(policy, SchedulerPolicy) or policy.costs is not None:
         return decoder
     tables = {b: profile_round_costs(decoder, b, **kwargs) for b in batches}
-    return decoder.with_policy(SchedulerPolicy.from_tables(tables, policy.calibration))
+    return decoder.with_policy(SchedulerPolicy.from_tables(tables, policy.calibrations))
 
 
 def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
@@ -136,9 +136,9 @@ def load_cost_tables(path) -> dict[int, dict[int, float]]:
 
 
 def policy_summary(policy: SchedulerPolicy) -> dict:
-    """The policy's table in milliseconds and its calibration, for logs and benchmark JSON."""
+    """The policy's table in milliseconds and its calibrations, for logs and benchmark JSON."""
     return {
         "costs_ms": {str(b): {str(w): round(s * 1e3, 3) for w, s in t} for b, t in policy.costs or ()},
-        "calibration": None if policy.calibration is None else dataclasses.asdict(policy.calibration),
+        "calibrations": [dataclasses.asdict(c) for c in policy.calibrations],
     }
 

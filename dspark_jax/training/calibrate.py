@@ -4,7 +4,10 @@ The scheduler ranks drafts by ``a_k = Π_{i≤k} σ(z_i / T_i + b_i)``, the pred
 drafts ``1..k`` all survive, and weighs them against measured costs, so ``a_k`` must be a
 probability, not just a score. The head is trained towards ``1 − TV(p_d, p_t)``, the acceptance
 rate of *sampled* verification; greedy verification accepts on argmax agreement, which is a
-different rate, so each decoding mode gets its own calibration (``MODES``).
+different rate, and sampled acceptance moves with the temperature and the top-k/top-p filters.
+So a drafter keeps one calibration for greedy decoding and one per sampling setting it was fitted
+on, and the scheduler serves each request by the one nearest its own sampling
+(``scheduler.prefix.calibration_index``).
 
 Procedure: decode held-out prompts with every draft verified (``fixed:γ``), record per round the
 confidence logits ``z_1..z_γ`` and how many drafts were accepted; the label of position ``k`` is
@@ -22,8 +25,9 @@ against ``y_k``. Two methods (``METHODS``):
   ECE and the log loss of ``sts`` (``docs/BENCHMARKS.md``).
 
 The result lives next to the drafter's weights as ``calibration.json`` (``{"greedy": {...},
-"sampled": {...}}``, each with the method, temperatures and biases, the ECE and log loss before
-and after per position, the rounds it was fitted on and the sampling used).
+"sampled": [{...}, ...]}``, each entry with the sampling it was fitted on, the method,
+temperatures and biases, the ECE and log loss before and after per position, and the rounds it
+was fitted on).
 """
 
 from __future__ import annotations
@@ -161,36 +165,66 @@ def collect_rounds(decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens:
     return np.concatenate(logits), np.concatenate(accepted)
 
 
-def save_calibration(directory, mode: str, fitted: dict, **info) -> Path:
-    """Write (or update) ``mode``'s entry of ``directory/calibration.json``."""
-    if mode not in MODES:
-        raise ValueError(f"calibration mode must be one of {MODES}, got {mode!r}")
+def _entries(body: dict, mode: str) -> list:
+    """``mode``'s entries in a calibration file: ``greedy`` holds one, ``sampled`` a list (one per
+    sampling setting; files from before that hold one)."""
+    entry = body.get(mode)
+    if entry is None:
+        return []
+    return list(entry) if mode == "sampled" and isinstance(entry, list) else [entry]
+
+
+def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
+    """Write ``fitted`` (fitted on decoding with ``sampling``, a ``SamplingConfig``) into
+    ``directory/calibration.json``, replacing an earlier fit for the same sampling and keeping
+    the fits for other samplings."""
+    import dataclasses
+
     path = Path(directory) / CALIBRATION_FILE
     body = json.loads(path.read_text()) if path.is_file() else {}
-    body[mode] = {**fitted, **info}
+    mode = mode_of(sampling.greedy)
+    entry = {**fitted, **info, "sampling": dataclasses.asdict(sampling)}
+    if mode == "greedy":
+        body[mode] = entry
+    else:
+        body[mode] = [e for e in _entries(body, mode) if e.get("sampling") != entry["sampling"]] + [entry]
     path.write_text(json.dumps(body, indent=1) + "\n")
     return path
 
 
-def read_calibration(directory, mode: str):
-    """``mode``'s calibration (``scheduler.prefix.Calibration``) for the drafter in ``directory``;
-    ``None`` when it has none. Entries written before biases existed read with zero biases."""
+def read_calibrations(directory) -> tuple:
+    """Every calibration (``scheduler.prefix.Calibration``) of the drafter in ``directory``, each
+    with the sampling it was fitted on; ``()`` when it has none. Entries written before biases
+    existed read with zero biases; a sampled one without its sampling serves any decoding that
+    has no fit of its own (``scheduler.prefix.calibration_index``)."""
+    from dspark_jax.config import SamplingConfig
     from dspark_jax.scheduler.prefix import Calibration
 
     path = Path(directory) / CALIBRATION_FILE
     if not path.is_file():
-        return None
+        return ()
     try:
-        entry = json.loads(path.read_text()).get(mode)
-    except (json.JSONDecodeError, AttributeError) as error:
+        body = json.loads(path.read_text())
+        entries = [(mode, entry) for mode in MODES for entry in _entries(body, mode)]
+    except (json.JSONDecodeError, AttributeError, TypeError) as error:
         raise ValueError(f"{path} is not a calibration file ({error})") from None
-    if entry is None:
-        return None
-    temperatures = entry.get("temperatures") if isinstance(entry, dict) else None
-    if not isinstance(temperatures, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temperatures):
-        raise ValueError(f"{path}: '{mode}.temperatures' must be a list of positive numbers")
-    biases = entry.get("biases", [0.0] * len(temperatures))
-    if (not isinstance(biases, list) or len(biases) != len(temperatures)
-            or not all(isinstance(b, (int, float)) and np.isfinite(b) for b in biases)):
-        raise ValueError(f"{path}: '{mode}.biases' must be a list of {len(temperatures)} finite numbers")
-    return Calibration(tuple(float(t) for t in temperatures), tuple(float(b) for b in biases))
+    calibrations = []
+    for mode, entry in entries:
+        temperatures = entry.get("temperatures") if isinstance(entry, dict) else None
+        if not isinstance(temperatures, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temperatures):
+            raise ValueError(f"{path}: '{mode}.temperatures' must be a list of positive numbers")
+        biases = entry.get("biases", [0.0] * len(temperatures))
+        if (not isinstance(biases, list) or len(biases) != len(temperatures)
+                or not all(isinstance(b, (int, float)) and np.isfinite(b) for b in biases)):
+            raise ValueError(f"{path}: '{mode}.biases' must be a list of {len(temperatures)} finite numbers")
+        try:
+            if entry.get("sampling") is not None:
+                sampling = SamplingConfig(**entry["sampling"])
+            else:  # the greedy entry is greedy's whatever it says; a sampled one without it, anyone's
+                sampling = SamplingConfig() if mode == "greedy" else None
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{path}: '{mode}.sampling' is not a sampling setting ({error})") from None
+        if sampling is not None and mode_of(sampling.greedy) != mode:
+            raise ValueError(f"{path}: a '{mode}' entry fitted on {mode_of(sampling.greedy)} decoding")
+        calibrations.append(Calibration(temperatures, biases, sampling))
+    return tuple(calibrations)
