@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     profiles = {}
     for spec in args.drafter:
         chosen_here = []
-        weights = hashlib.sha256((resolve_drafter(spec)[1] / WEIGHTS_FILE).read_bytes()).hexdigest()
+        _, source = resolve_drafter(spec)
+        weights = hashlib.sha256((source / WEIGHTS_FILE).read_bytes()).hexdigest()
         for text, policy in policies:
             name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True, sampling=sampling)
             if chosen in chosen_here:  # e.g. a baseline's fixed:γ stand-in for every confidence policy
@@ -197,7 +198,6 @@ def main(argv=None) -> int:
             decoders[name] = make_decoder(target, drafter, chosen)
             if isinstance(decoders[name].policy, SchedulerPolicy):
                 profiles.setdefault(weights, decoders[name].policy.costs)
-            _, source = resolve_drafter(spec)
             drafters[name] = {
                 "spec": spec,
                 "path": str(source),
