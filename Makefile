@@ -18,13 +18,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/dspark demo
 
+# Two pytest workers: much of the suite is single-threaded XLA compilation, so two processes
+# keep both cores of a CI machine busy (about a quarter less wall time than one process).
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow and not torch_ref" -q
+	$(PY) -m pytest -m "not slow and not torch_ref" -q -n 2
 
 # Everything, including the HF-transformers reference checks (installs torch's local CPU wheel).
 test-all: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,torch-ref]'
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 bench: $(STAMP)
 	$(PY) scripts/bench_target.py --out docs/bench_target.json

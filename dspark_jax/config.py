@@ -210,6 +210,9 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.sliding_window is not None and self.kind == "eagle3":
+            raise ValueError("sliding_window limits a block drafter's context (dspark, dflash); the EAGLE-3 "
+                             "drafter attends over its whole sequence")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.backbone.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in (0, {self.backbone.vocab_size}], got {self.draft_vocab_size}"

@@ -332,3 +332,43 @@ def test_the_embedded_target_file_can_be_named_by_a_variable(monkeypatch, tmp_pa
     copy.symlink_to(packaged)
     monkeypatch.setenv(EMBEDDED_PATH_VARIABLE, str(copy))
     assert embedded_gguf_path() == copy
+
+
+def _eval_long_answers_script():
+    spec = importlib.util.spec_from_file_location("eval_long_answers", REPO / "scripts" / "eval_long_answers.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
+    import numpy as np
+
+    class Rounds:  # a decoder whose every answer commits 1, 3, 2 and 4 tokens in its four rounds
+        def generate(self, prompts, *, max_new_tokens, stop_ids):
+            return type("Result", (), {"accepted_per_round": [np.array([a]) for a in (0, 2, 1, 3)]})()
+
+    # The prefill emits position 0; rounds start at 1, 2, 5 and 7.
+    cells = _eval_long_answers_script().tau_by_position(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
+    assert cells == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}
+
+
+def test_eval_long_answers_windowed_copy_shares_the_weights(tmp_path):
+    from dspark_jax.checkpoints.drafter import read_drafter_config
+    from dspark_jax.drafters import shipped_drafter_path
+
+    shipped = shipped_drafter_path("smollm2_135m_dflash")
+    copy = _eval_long_answers_script().windowed_copy(shipped, 64, tmp_path)
+    assert read_drafter_config(copy)[0].sliding_window == 64
+    assert read_drafter_config(shipped)[0].sliding_window != 64
+    assert (copy / "model.safetensors").resolve() == (shipped / "model.safetensors").resolve()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--window", "0"], "--window must be >= 1"),
+    (["--bucket", "64", "--max-new-tokens", "32"], "--bucket <= --max-new-tokens"),
+])
+def test_eval_long_answers_rejects_bad_options(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _eval_long_answers_script().parse_args(argv)
+    assert message in capsys.readouterr().err

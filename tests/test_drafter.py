@@ -296,6 +296,8 @@ def test_config_validation():
         DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, markov_head="none")
     with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
         DrafterConfig.from_dict({**make()[0].to_dict(), "gamma": 7})
+    with pytest.raises(ValueError, match="the EAGLE-3 drafter attends over its whole sequence"):
+        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, sliding_window=64)
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
 

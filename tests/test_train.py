@@ -17,6 +17,7 @@ import safetensors.numpy
 from dspark_jax.checkpoints.drafter import build_drafter, load_drafter
 from dspark_jax.cli import main as cli_main
 from dspark_jax.training import target_cache
+from dspark_jax.training import train as train_module
 from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
 from dspark_jax.training.train import (
     BUDGET_FILE,
@@ -45,6 +46,21 @@ TINY = REPO / "configs" / "tiny_test.py"
 
 def losses(run_dir) -> list[float]:
     return [json.loads(line)["loss"] for line in (Path(run_dir) / LOG_FILE).read_text().splitlines()]
+
+
+class SkewedClock:
+    """Stands in for the ``time`` module of the module under test: its monotonic clock runs ``skew``
+    seconds ahead of the real one, so a test makes a deadline pass exactly where it wants, however
+    loaded the machine is (real seconds would make the test depend on the machine's speed)."""
+
+    def __init__(self):
+        self.skew = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skew
+
+    def __getattr__(self, name):
+        return getattr(time, name)
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +250,16 @@ def test_a_cache_of_token_ids_stops_at_a_deadline_and_resumes(tmp_path, six_prom
     prompts, names, spec, writer = six_prompts
     writer(tmp_path / "full").build(prompts, names, progress=False)
     ids_only = dataclasses.replace(spec, store_features=False)
-    deadline = time.monotonic() + 2.0
+    clock = SkewedClock()
+    monkeypatch.setattr(target_cache, "time", clock)
     original = TargetCacheWriter._write_shard
 
     def outlasts_the_deadline(self, shard, *args):  # shard 0 starts in time and ends after it
         original(self, shard, *args)
-        time.sleep(max(0.0, deadline - time.monotonic()))
+        clock.skew = 1e6
 
     monkeypatch.setattr(TargetCacheWriter, "_write_shard", outlasts_the_deadline)
+    deadline = time.monotonic() + 600.0
     assert writer(tmp_path / "ids", ids_only).build(prompts, names, progress=False, deadline=deadline) == 3
     assert target_cache.complete_shards(tmp_path / "ids", 3) == 1
     assert [s.name for s in load_target_cache(tmp_path / "ids", 1)] == names[:2]
@@ -321,16 +339,17 @@ def _budget_configs(tmp_path, kinds=("dspark", "dflash", "eagle3")):
 
 def test_budgeted_training_gives_every_drafter_the_same_steps_and_resumes(tmp_path, monkeypatch):
     configs = _budget_configs(tmp_path)
-    # A step "takes" 3 s a drafter and a batch 1 s, so the budget left after the cache affords a
-    # few rounds of 10 s.
-    monkeypatch.setattr(Trainer, "step_seconds", lambda self, batch, repeats=3: 3.0)
-    monkeypatch.setattr(Trainer, "batch_seconds", lambda self, repeats=3: 1.0)
-    exported = run_budgeted(configs, 60.0, data_fraction=0.5, margin=0.0, progress=False)
+    # A step "takes" 30 s a drafter and a batch 10 s, so the budget left after the cache affords a
+    # few rounds of 100 s. The real steps take a small part of that, so the deadline, which
+    # test_budgeted_training_stops_at_its_deadline_... covers, does not cut this run short.
+    monkeypatch.setattr(Trainer, "step_seconds", lambda self, batch, repeats=3: 30.0)
+    monkeypatch.setattr(Trainer, "batch_seconds", lambda self, repeats=3: 10.0)
+    exported = run_budgeted(configs, 600.0, data_fraction=0.5, margin=0.0, progress=False)
     plans = [json.loads((Path(c.out_dir) / BUDGET_FILE).read_text()) for c in configs]
     assert all(plan == plans[0] for plan in plans) and plans[0]["drafters"] == [c.name for c in configs]
     steps = plans[0]["steps"]
-    assert 1 <= steps <= 60 // 10, plans[0]
-    assert steps == int((60.0 - plans[0]["planned_after_s"]) / 10.0)
+    assert 1 <= steps <= 600 // 100, plans[0]
+    assert steps == int((600.0 - plans[0]["planned_after_s"]) / 100.0)
     assert plans[0]["cache_shards"] == target_cache.complete_shards(configs[0].cache_path, 2) >= 1
     for config, out in zip(configs, exported):
         assert len(losses(config.out_dir)) == steps
@@ -345,7 +364,7 @@ def test_budgeted_training_gives_every_drafter_the_same_steps_and_resumes(tmp_pa
     # A rerun finds the plans and resumes: nothing is planned or trained again.
     monkeypatch.setattr(Trainer, "step_seconds", lambda *a, **k: pytest.fail("planned again"))
     before = [losses(c.out_dir) for c in configs]
-    run_budgeted(configs, 60.0, data_fraction=0.5, progress=False)
+    run_budgeted(configs, 600.0, data_fraction=0.5, progress=False)
     assert [losses(c.out_dir) for c in configs] == before
 
 
@@ -355,12 +374,27 @@ def test_budgeted_training_stops_at_its_deadline_and_exports_what_it_trained(tmp
     configs = _budget_configs(tmp_path, kinds=("dspark", "dflash"))
     monkeypatch.setattr(Trainer, "step_seconds", lambda self, batch, repeats=3: 1e-4)
     monkeypatch.setattr(Trainer, "batch_seconds", lambda self, repeats=3: 1e-4)
-    exported = run_budgeted(configs, 24.0, data_fraction=0.5, margin=0.0, progress=False)
+    # Planned at 0.2 ms a round, the budget "affords" millions of steps; the training's clock
+    # then passes the deadline once both drafters have taken two steps.
+    clock = SkewedClock()
+    monkeypatch.setattr(train_module, "time", clock)
+    step = Trainer.step
+    steps_done = []
+
+    def step_then_run_late(self, *args, **kwargs):
+        metrics = step(self, *args, **kwargs)
+        steps_done.append(self)
+        if len(steps_done) == 2 * len(configs):
+            clock.skew = 1e6
+        elif len(steps_done) > 2 * len(configs):
+            pytest.fail("a step started past the deadline")
+        return metrics
+
+    monkeypatch.setattr(Trainer, "step", step_then_run_late)
+    exported = run_budgeted(configs, 600.0, data_fraction=0.5, margin=0.0, progress=False)
     plan = json.loads((Path(configs[0].out_dir) / BUDGET_FILE).read_text())
     done = len(losses(configs[0].out_dir))
-    # Planned at 0.2 ms a round, the budget "affords" tens of thousands of steps; the deadline
-    # ends the run after the few that really fit.
-    assert 1 <= done < plan["steps"], (done, plan["steps"])
+    assert done == 2 < plan["steps"], (done, plan["steps"])
     for config, out in zip(configs, exported):
         assert len(losses(config.out_dir)) == done
         assert json.loads((out / "config.json").read_text())["metadata"]["steps"] == done

@@ -1,0 +1,141 @@
+#!/usr/bin/env python
+"""τ along long answers: does a drafter keep its acceptance as the answer grows?
+
+The shipped drafters trained on answers of at most 160 tokens (``seq_len`` 352 with the prompt).
+This script decodes benchmark prompts greedily (B=1, ``fixed:γ``, stopping at EOS) for up to
+``--max-new-tokens`` and reports, per drafter, τ (tokens committed per round) by where the round
+starts in the answer, in buckets of ``--bucket`` tokens, with the number of rounds in each.
+``--window W`` (repeatable) also runs every block drafter with its context limited to the last W
+positions (``DrafterConfig.sliding_window``; the weights are the same), which tells attention over
+contexts longer than training showed apart from what the later text itself does to acceptance.
+τ does not depend on the machine's speed, so this needs no quiet machine.
+
+    .venv/bin/python scripts/eval_long_answers.py --drafter smollm2_135m_dspark --window 256
+    .venv/bin/python scripts/eval_long_answers.py --quick --out /tmp/long.json
+
+Writes JSON (``--out``); the last line printed is the summary ``{"<drafter>": {"0-127": τ, ...}}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOMAINS = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", action="append", default=None,
+                    help="shipped drafter name or checkpoint directory; repeatable (default: smollm2_135m_dspark)")
+    ap.add_argument("--window", type=int, action="append", default=[],
+                    help="also run each block drafter with this sliding_window; repeatable")
+    ap.add_argument("--benchmarks", default=str(REPO_ROOT.parent / "shared" / "benchmarks"))
+    ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 1)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 512 (--quick: 64)")
+    ap.add_argument("--bucket", type=int, default=None, help="answer tokens per bucket; default 128 (--quick: 32)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="docs/long_answers.json")
+    args = ap.parse_args(argv)
+    args.drafter = args.drafter or ["smollm2_135m_dspark"]
+    args.prompts_per_domain = args.prompts_per_domain or (1 if args.quick else 10)
+    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 512)
+    args.bucket = args.bucket or (32 if args.quick else 128)
+    if any(w < 1 for w in args.window):
+        ap.error("--window must be >= 1")
+    if args.bucket < 1 or args.max_new_tokens < args.bucket:
+        ap.error("need 1 <= --bucket <= --max-new-tokens")
+    return args
+
+
+def windowed_copy(directory: Path, window: int, scratch: Path) -> Path:
+    """The drafter at ``directory`` with ``sliding_window = window``: same weights, edited config."""
+    copy = scratch / f"{directory.name}_window{window}"
+    copy.mkdir()
+    for item in directory.iterdir():
+        if item.name != "config.json":
+            (copy / item.name).symlink_to(item.resolve())
+    config = json.loads((directory / "config.json").read_text())
+    config["drafter"]["sliding_window"] = window
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return copy
+
+
+def tau_by_position(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> dict:
+    """Per bucket of answer positions: mean tokens committed by the rounds starting there."""
+    buckets = max_new_tokens // bucket
+    committed = [[] for _ in range(buckets)]
+    for ids in prompts:
+        out = decoder.generate([ids], max_new_tokens=max_new_tokens, stop_ids=[stop_id])
+        position = 1  # the prefill emitted the answer's first token
+        for accepted in out.accepted_per_round:
+            tokens = int(accepted[0]) + 1
+            committed[min(position // bucket, buckets - 1)].append(tokens)
+            position += tokens
+    return {f"{i * bucket}-{(i + 1) * bucket - 1}": {"tau": float(np.mean(c)) if c else None, "rounds": len(c)}
+            for i, c in enumerate(committed)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from dspark_jax.checkpoints.drafter import load_drafter, read_drafter_config
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.drafters import resolve_drafter
+    from dspark_jax.eval.compare import read_prompts_jsonl
+
+    target, tokenizer = load_embedded_target()
+    prompts = {domain: [tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                        for p in read_prompts_jsonl(Path(args.benchmarks) / name, args.prompts_per_domain)]
+               for domain, name in DOMAINS.items()}
+    started = time.time()
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = []
+        for spec in args.drafter:
+            directory = Path(resolve_drafter(spec)[1])
+            runs.append((spec, directory))
+            if read_drafter_config(directory)[0].kind != "eagle3":
+                runs += [(f"{spec}@window{w}", windowed_copy(directory, w, Path(scratch))) for w in args.window]
+        for label, directory in runs:
+            drafter = load_drafter(directory, target=target.cfg)
+            decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
+            results[label] = {
+                "sliding_window": drafter.cfg.sliding_window,
+                "domains": {domain: tau_by_position(decoder, ids, max_new_tokens=args.max_new_tokens,
+                                                    bucket=args.bucket, stop_id=tokenizer.eos_token_id)
+                            for domain, ids in prompts.items()},
+            }
+            pooled = {}
+            for domain in results[label]["domains"].values():
+                for key, cell in domain.items():
+                    tau, rounds = pooled.get(key, (0.0, 0))
+                    pooled[key] = (tau + (cell["tau"] or 0.0) * cell["rounds"], rounds + cell["rounds"])
+            results[label]["pooled"] = {k: {"tau": t / n if n else None, "rounds": n} for k, (t, n) in pooled.items()}
+            print(label, {k: round(v["tau"], 3) if v["tau"] else None for k, v in results[label]["pooled"].items()},
+                  flush=True)
+    report = {
+        "settings": {"prompts_per_domain": args.prompts_per_domain, "max_new_tokens": args.max_new_tokens,
+                     "bucket": args.bucket, "decoding": "greedy, B=1, fixed:γ, stop at EOS",
+                     "benchmarks": {d: n for d, n in DOMAINS.items()}},
+        "wall_s": time.time() - started,
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    summary = {label: {k: None if v["tau"] is None else round(v["tau"], 3) for k, v in r["pooled"].items()}
+               for label, r in results.items()}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
