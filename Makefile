@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dspark demo
 
 # Two pytest workers: much of the suite is single-threaded XLA compilation, so two processes
-# keep both cores of a CI machine busy (about a quarter less wall time than one process).
+# keep both cores of a CI machine busy (14:52 against 23:07 in one process, README).
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow and not torch_ref" -q -n 2
 

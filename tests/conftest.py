@@ -4,9 +4,8 @@ Many tests build a fresh decoder or training step for the same target and shapes
 fresh ``jax.jit`` would compile again. A persistent compilation cache, new for every test
 process (each pytest-xdist worker has its own, and nothing carries over between runs), lets the
 repeats load the executable instead; the subprocesses the CLI tests start inherit it through
-the environment. Compile counters still see
-every executable (JAX reports a cache hit as a compilation), so the no-recompilation tests keep
-their meaning.
+the environment. Compile counters still see every executable (JAX reports a cache hit as a
+compilation), so the no-recompilation tests keep their meaning.
 """
 
 import os
