@@ -51,6 +51,14 @@ def test_empty_prompt_is_refused():
 REPO = Path(__file__).resolve().parents[1]
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 @pytest.fixture(scope="module")
 def random_drafter_dir(embedded_target, tmp_path_factory):
     """An untrained DSpark drafter for the embedded target, saved as a checkpoint directory."""
@@ -197,9 +205,7 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
 
 
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
-    spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "scripts" / "bench_speculative.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_speculative")
     out = tmp_path / "bench.json"
     argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"),
             "--drafter", str(random_drafter_dir), "--max-new-tokens", "4", "--out", str(out)]
@@ -232,9 +238,7 @@ def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path
     from dspark_jax.config import SamplingConfig
     from dspark_jax.training.calibrate import save_calibration
 
-    spec = importlib.util.spec_from_file_location("bench_speculative", REPO / "scripts" / "bench_speculative.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_speculative")
     with pytest.raises(SystemExit):
         script.parse_args(["--seeds", "2"])  # greedy: one path whatever the seed
     # The same weights twice under the scheduler, one copy calibrated for T = 1: they share one
@@ -258,15 +262,8 @@ def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path
     assert raw.split("round cost")[1] == fitted.split("round cost")[1]
 
 
-def _eval_heldout_script():
-    spec = importlib.util.spec_from_file_location("eval_heldout", REPO / "scripts" / "eval_heldout.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
-    script = _eval_heldout_script()
+    script = load_script("eval_heldout")
     assert script.parse_args([]).cache_dir == "runs/heldout_cache_seed1_n48"
     args = script.parse_args(["--mix", "formats", "--temperature", "1"])
     assert (args.top_p, args.top_k) == (1.0, 0)  # top-k and top-p are off unless given
@@ -288,16 +285,16 @@ def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
 ])
 def test_eval_heldout_rejects_contradictory_options(argv, message, capsys):
     with pytest.raises(SystemExit):
-        _eval_heldout_script().parse_args(argv)
+        load_script("eval_heldout").parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_eval_heldout_quick_benchmark_run_takes_a_third_per_domain():
-    assert _eval_heldout_script().parse_args(["--quick", "--benchmarks", "b"]).num_prompts == 9
+    assert load_script("eval_heldout").parse_args(["--quick", "--benchmarks", "b"]).num_prompts == 9
 
 
 def test_eval_heldout_reads_benchmark_prompts_past_the_skip():
-    script = _eval_heldout_script()
+    script = load_script("eval_heldout")
     fixtures = REPO / "tests" / "fixtures" / "bench_prompts"
     prompts = script.benchmark_prompts(fixtures, per_domain=1, skip=1)
     assert [p.id for p in prompts] == ["math-000001", "code-000001", "chat-000001"]
@@ -334,13 +331,6 @@ def test_the_embedded_target_file_can_be_named_by_a_variable(monkeypatch, tmp_pa
     assert embedded_gguf_path() == copy
 
 
-def _eval_long_answers_script():
-    spec = importlib.util.spec_from_file_location("eval_long_answers", REPO / "scripts" / "eval_long_answers.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
     import numpy as np
 
@@ -349,7 +339,7 @@ def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
             return type("Result", (), {"accepted_per_round": [np.array([a]) for a in (0, 2, 1, 3)]})()
 
     # The prefill emits position 0; rounds start at 1, 2, 5 and 7.
-    cells = _eval_long_answers_script().tau_by_position(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
+    cells = load_script("eval_long_answers").tau_by_position(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
     assert cells == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}
 
 
@@ -358,7 +348,7 @@ def test_eval_long_answers_windowed_copy_shares_the_weights(tmp_path):
     from dspark_jax.drafters import shipped_drafter_path
 
     shipped = shipped_drafter_path("smollm2_135m_dflash")
-    copy = _eval_long_answers_script().windowed_copy(shipped, 64, tmp_path)
+    copy = load_script("eval_long_answers").windowed_copy(shipped, 64, tmp_path)
     assert read_drafter_config(copy)[0].sliding_window == 64
     assert read_drafter_config(shipped)[0].sliding_window != 64
     assert (copy / "model.safetensors").resolve() == (shipped / "model.safetensors").resolve()
@@ -370,5 +360,5 @@ def test_eval_long_answers_windowed_copy_shares_the_weights(tmp_path):
 ])
 def test_eval_long_answers_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
-        _eval_long_answers_script().parse_args(argv)
+        load_script("eval_long_answers").parse_args(argv)
     assert message in capsys.readouterr().err
