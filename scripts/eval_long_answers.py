@@ -8,9 +8,13 @@ starts in the answer, in buckets of ``--bucket`` tokens, with the number of roun
 ``--window W`` (repeatable) also runs every block drafter with its context limited to the last W
 positions (``DrafterConfig.sliding_window``; the weights are the same), which tells attention over
 contexts longer than training showed apart from what the later text itself does to acceptance.
+``--mix M`` decodes held-out prompts of a training mix instead (data seed ``--data-seed``, with
+every text a leg of ``--config`` trained on removed, as ``eval_heldout.py`` does), grouped by the
+prompts' own domains: a window chosen on the benchmark prompts is checked there before it ships.
 τ does not depend on the machine's speed, so this needs no quiet machine.
 
     .venv/bin/python scripts/eval_long_answers.py --drafter smollm2_135m_dspark --window 256
+    .venv/bin/python scripts/eval_long_answers.py --mix writing --window 256 --out /tmp/writing.json
     .venv/bin/python scripts/eval_long_answers.py --quick --out /tmp/long.json
 
 Writes JSON (``--out``); the last line printed is the summary ``{"<drafter>": {"0-127": τ, ...}}``.
@@ -38,6 +42,11 @@ def parse_args(argv):
     ap.add_argument("--window", type=int, action="append", default=[],
                     help="also run each block drafter with this sliding_window; repeatable")
     ap.add_argument("--benchmarks", default=str(REPO_ROOT.parent / "shared" / "benchmarks"))
+    ap.add_argument("--mix", default=None,
+                    help="decode held-out prompts of this training mix (a name in training/data.py MIXES) instead")
+    ap.add_argument("--data-seed", type=int, default=1, help="seed of the --mix prompts (default 1, the held-out seed)")
+    ap.add_argument("--config", default=str(REPO_ROOT / "configs" / "smollm2_135m_dspark.py"),
+                    help="training config whose legs' prompts --mix leaves out")
     ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 1)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 512 (--quick: 64)")
     ap.add_argument("--bucket", type=int, default=None, help="answer tokens per bucket; default 128 (--quick: 32)")
@@ -52,7 +61,41 @@ def parse_args(argv):
         ap.error("--window must be >= 1")
     if args.bucket < 1 or args.max_new_tokens < args.bucket:
         ap.error("need 1 <= --bucket <= --max-new-tokens")
+    if args.mix is None and args.data_seed != 1:
+        ap.error("--data-seed picks --mix prompts: pass --mix")
     return args
+
+
+def benchmark_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
+    from dspark_jax.eval.compare import read_prompts_jsonl
+
+    return {domain: [tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                     for p in read_prompts_jsonl(Path(args.benchmarks) / name, args.prompts_per_domain)]
+            for domain, name in DOMAINS.items()}
+
+
+def mix_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
+    """Up to ``prompts_per_domain`` held-out prompts of each domain of ``args.mix`` that fit the
+    training prompt cap, in the order the mix draws them."""
+    import dataclasses
+
+    from dspark_jax.training.data import MIXES
+    from dspark_jax.training.train import heldout_prompts, load_config, render_prompts
+
+    if args.mix not in MIXES:
+        raise ValueError(f"--mix {args.mix!r} is not a training mix; known: {sorted(MIXES)}")
+    config = load_config(args.config)
+    if args.data_seed in {seed for leg in config.legs for seed, _ in leg.data_sources}:
+        raise ValueError(f"--data-seed {args.data_seed} is a data seed of {config.name}: its prompts are training prompts")
+    # heldout_prompts draws four times the count asked for: enough for every domain of a mix.
+    wanted = dataclasses.replace(config, heldout_prompts=args.prompts_per_domain * len(MIXES[args.mix]),
+                                 heldout_seed=args.data_seed, heldout_mix=args.mix)
+    by_domain: dict[str, list[list[int]]] = {domain: [] for domain in MIXES[args.mix]}
+    for prompt in heldout_prompts(wanted):
+        ids, _ = render_prompts(config, [prompt], tokenizer)
+        if ids and len(by_domain[prompt.domain]) < args.prompts_per_domain:
+            by_domain[prompt.domain].append(ids[0])
+    return by_domain
 
 
 def windowed_copy(directory: Path, window: int, scratch: Path) -> Path:
@@ -89,12 +132,9 @@ def main(argv=None) -> int:
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.drafters import resolve_drafter
-    from dspark_jax.eval.compare import read_prompts_jsonl
 
     target, tokenizer = load_embedded_target()
-    prompts = {domain: [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                        for p in read_prompts_jsonl(Path(args.benchmarks) / name, args.prompts_per_domain)]
-               for domain, name in DOMAINS.items()}
+    prompts = benchmark_prompts(args, tokenizer) if args.mix is None else mix_prompts(args, tokenizer)
     started = time.time()
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -124,7 +164,9 @@ def main(argv=None) -> int:
     report = {
         "settings": {"prompts_per_domain": args.prompts_per_domain, "max_new_tokens": args.max_new_tokens,
                      "bucket": args.bucket, "decoding": "greedy, B=1, fixed:γ, stop at EOS",
-                     "benchmarks": {d: n for d, n in DOMAINS.items()}},
+                     **({"benchmarks": DOMAINS} if args.mix is None else
+                        {"mix": args.mix, "data_seed": args.data_seed, "config": args.config}),
+                     "prompts": {domain: len(ids) for domain, ids in prompts.items()}},
         "wall_s": time.time() - started,
         "results": results,
     }

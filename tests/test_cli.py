@@ -357,8 +357,35 @@ def test_eval_long_answers_windowed_copy_shares_the_weights(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--window", "0"], "--window must be >= 1"),
     (["--bucket", "64", "--max-new-tokens", "32"], "--bucket <= --max-new-tokens"),
+    (["--data-seed", "3"], "--data-seed picks --mix prompts"),
 ])
 def test_eval_long_answers_rejects_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         load_script("eval_long_answers").parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_eval_long_answers_mix_prompts_are_held_out_and_grouped_by_domain(embedded_target):
+    from dspark_jax.training.data import MIXES
+    from dspark_jax.training.train import load_config, training_prompts
+
+    script = load_script("eval_long_answers")
+    tokenizer = embedded_target[1]
+    args = script.parse_args(["--mix", "writing", "--prompts-per-domain", "2"])
+    prompts = script.mix_prompts(args, tokenizer)
+    assert {domain: len(ids) for domain, ids in prompts.items()} == {domain: 2 for domain in MIXES["writing"]}
+    config = load_config(args.config)
+    trained = {tuple(tokenizer.apply_chat_template([{"role": "user", "content": p.text}]))
+               for leg in config.legs for p in training_prompts(leg)}
+    assert not trained & {tuple(ids) for ids in sum(prompts.values(), [])}
+    assert all(len(ids) <= config.cache.max_prompt_tokens for ids in sum(prompts.values(), []))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mix", "poetry"], "not a training mix"),
+    (["--mix", "writing", "--data-seed", "5"], "is a data seed of"),
+])
+def test_eval_long_answers_refuses_unknown_mixes_and_training_seeds(embedded_target, argv, message):
+    script = load_script("eval_long_answers")
+    with pytest.raises(ValueError, match=message):
+        script.mix_prompts(script.parse_args(argv), embedded_target[1])
