@@ -17,7 +17,9 @@ prompts' own domains: a window chosen on the benchmark prompts is checked there 
     .venv/bin/python scripts/eval_long_answers.py --mix writing --window 256 --out /tmp/writing.json
     .venv/bin/python scripts/eval_long_answers.py --quick --out /tmp/long.json
 
-Writes JSON (``--out``); the last line printed is the summary ``{"<drafter>": {"0-127": τ, ...}}``.
+Writes JSON (``--out``): per drafter, τ by bucket pooled and per domain, every prompt's accepted
+drafts per round by bucket, and for a windowed run the ratio to the whole-context run per bucket
+with a 90% percentile-bootstrap interval over the prompts. The last line printed is the summary ``{"<drafter>": {"0-127": τ, ...}}``.
 """
 
 from __future__ import annotations
@@ -111,19 +113,51 @@ def windowed_copy(directory: Path, window: int, scratch: Path) -> Path:
     return copy
 
 
-def tau_by_position(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> dict:
-    """Per bucket of answer positions: mean tokens committed by the rounds starting there."""
+def accepted_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> list[list[list[int]]]:
+    """Per prompt, per bucket of answer positions: the drafts accepted by each round starting there."""
     buckets = max_new_tokens // bucket
-    committed = [[] for _ in range(buckets)]
+    per_prompt = []
     for ids in prompts:
         out = decoder.generate([ids], max_new_tokens=max_new_tokens, stop_ids=[stop_id])
+        accepted = [[] for _ in range(buckets)]
         position = 1  # the prefill emitted the answer's first token
-        for accepted in out.accepted_per_round:
-            tokens = int(accepted[0]) + 1
-            committed[min(position // bucket, buckets - 1)].append(tokens)
-            position += tokens
-    return {f"{i * bucket}-{(i + 1) * bucket - 1}": {"tau": float(np.mean(c)) if c else None, "rounds": len(c)}
-            for i, c in enumerate(committed)}
+        for drafts in out.accepted_per_round:
+            accepted[min(position // bucket, buckets - 1)].append(int(drafts[0]))
+            position += int(drafts[0]) + 1
+        per_prompt.append(accepted)
+    return per_prompt
+
+
+def bucket_names(max_new_tokens: int, bucket: int) -> list[str]:
+    return [f"{i * bucket}-{(i + 1) * bucket - 1}" for i in range(max_new_tokens // bucket)]
+
+
+def tau_by_bucket(per_prompt: list[list[list[int]]], names: list[str]) -> dict:
+    """Per bucket: τ (tokens committed per round, pooled over the prompts) and the rounds."""
+    cells = {}
+    for i, name in enumerate(names):
+        rounds = [a for accepted in per_prompt for a in accepted[i]]
+        cells[name] = {"tau": 1.0 + float(np.mean(rounds)) if rounds else None, "rounds": len(rounds)}
+    return cells
+
+
+def window_intervals(results: dict, base: str, label: str, names: list[str], *, level: float = 0.9) -> dict:
+    """Per bucket: τ(label) / τ(base) pooled over every prompt, and its percentile-bootstrap
+    interval over the prompts (the same prompts, and greedy answers, for both)."""
+    from dspark_jax.eval.compare import ratio_interval
+
+    def prompts_of(name):
+        return [accepted for domain in results[name]["accepted"].values() for accepted in domain]
+
+    cells = {}
+    for i, bucket in enumerate(names):
+        taus = results[label]["pooled"][bucket]["tau"], results[base]["pooled"][bucket]["tau"]
+        if None in taus:
+            cells[bucket] = {"ratio": None, "interval": None}
+            continue
+        arrays = {name: [np.array(accepted[i], int) for accepted in prompts_of(name)] for name in (label, base)}
+        cells[bucket] = {"ratio": taus[0] / taus[1], "interval": ratio_interval({"all": arrays}, label, base, level=level)}
+    return cells
 
 
 def main(argv=None) -> int:
@@ -141,24 +175,24 @@ def main(argv=None) -> int:
         runs = []
         for spec in args.drafter:
             directory = Path(resolve_drafter(spec)[1])
-            runs.append((spec, directory))
+            runs.append((spec, None, directory))
             if read_drafter_config(directory)[0].kind != "eagle3":
-                runs += [(f"{spec}@window{w}", windowed_copy(directory, w, Path(scratch))) for w in args.window]
-        for label, directory in runs:
+                runs += [(f"{spec}@window{w}", spec, windowed_copy(directory, w, Path(scratch))) for w in args.window]
+        names = bucket_names(args.max_new_tokens, args.bucket)
+        for label, whole_context, directory in runs:
             drafter = load_drafter(directory, target=target.cfg)
             decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
+            accepted = {domain: accepted_by_bucket(decoder, ids, max_new_tokens=args.max_new_tokens,
+                                                   bucket=args.bucket, stop_id=tokenizer.eos_token_id)
+                        for domain, ids in prompts.items()}
             results[label] = {
                 "sliding_window": drafter.cfg.sliding_window,
-                "domains": {domain: tau_by_position(decoder, ids, max_new_tokens=args.max_new_tokens,
-                                                    bucket=args.bucket, stop_id=tokenizer.eos_token_id)
-                            for domain, ids in prompts.items()},
+                "domains": {domain: tau_by_bucket(a, names) for domain, a in accepted.items()},
+                "pooled": tau_by_bucket([p for a in accepted.values() for p in a], names),
+                "accepted": accepted,
             }
-            pooled = {}
-            for domain in results[label]["domains"].values():
-                for key, cell in domain.items():
-                    tau, rounds = pooled.get(key, (0.0, 0))
-                    pooled[key] = (tau + (cell["tau"] or 0.0) * cell["rounds"], rounds + cell["rounds"])
-            results[label]["pooled"] = {k: {"tau": t / n if n else None, "rounds": n} for k, (t, n) in pooled.items()}
+            if whole_context is not None:
+                results[label]["vs_whole_context"] = window_intervals(results, whole_context, label, names)
             print(label, {k: round(v["tau"], 3) if v["tau"] else None for k, v in results[label]["pooled"].items()},
                   flush=True)
     report = {
