@@ -9,7 +9,8 @@ starts in the answer, in buckets of ``--bucket`` tokens, with the number of roun
 positions (``DrafterConfig.sliding_window``; the weights are the same), which tells attention over
 contexts longer than training showed apart from what the later text itself does to acceptance.
 ``--mix M`` decodes held-out prompts of a training mix instead (data seed ``--data-seed``, with
-every text a leg of ``--config`` trained on removed, as ``eval_heldout.py`` does), grouped by the
+every text a leg of ``--config`` trained on removed and checked against ``--benchmarks``, as
+``eval_heldout.py`` does), grouped by the
 prompts' own domains: a window chosen on the benchmark prompts is checked there before it ships.
 τ does not depend on the machine's speed, so this needs no quiet machine.
 
@@ -90,8 +91,9 @@ def mix_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
     if args.data_seed in {seed for leg in config.legs for seed, _ in leg.data_sources}:
         raise ValueError(f"--data-seed {args.data_seed} is a data seed of {config.name}: its prompts are training prompts")
     # heldout_prompts draws four times the count asked for: enough for every domain of a mix.
+    # --benchmarks, not the config's path: the same overlap check wherever the checkout lies.
     wanted = dataclasses.replace(config, heldout_prompts=args.prompts_per_domain * len(MIXES[args.mix]),
-                                 heldout_seed=args.data_seed, heldout_mix=args.mix)
+                                 heldout_seed=args.data_seed, heldout_mix=args.mix, benchmarks_dir=args.benchmarks)
     by_domain: dict[str, list[list[int]]] = {domain: [] for domain in MIXES[args.mix]}
     for prompt in heldout_prompts(wanted):
         ids, _ = render_prompts(config, [prompt], tokenizer)

@@ -385,13 +385,21 @@ def test_eval_long_answers_rejects_bad_options(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_eval_long_answers_mix_prompts_are_held_out_and_grouped_by_domain(embedded_target):
+def one_benchmark_prompt(directory: Path) -> str:
+    """A benchmark directory (the overlap check's input) that holds one unrelated prompt."""
+    directory.mkdir(exist_ok=True)
+    (directory / "set.jsonl").write_text(json.dumps({"turns": ["Name three rivers in Peru."]}) + "\n")
+    return str(directory)
+
+
+def test_eval_long_answers_mix_prompts_are_held_out_and_grouped_by_domain(embedded_target, tmp_path):
     from dspark_jax.training.data import MIXES
     from dspark_jax.training.train import load_config, training_prompts
 
     script = load_script("eval_long_answers")
     tokenizer = embedded_target[1]
-    args = script.parse_args(["--mix", "writing", "--prompts-per-domain", "2"])
+    args = script.parse_args(["--mix", "writing", "--prompts-per-domain", "2",
+                              "--benchmarks", one_benchmark_prompt(tmp_path / "benchmarks")])
     prompts = script.mix_prompts(args, tokenizer)
     assert {domain: len(ids) for domain, ids in prompts.items()} == {domain: 2 for domain in MIXES["writing"]}
     config = load_config(args.config)
@@ -405,7 +413,8 @@ def test_eval_long_answers_mix_prompts_are_held_out_and_grouped_by_domain(embedd
     (["--mix", "poetry"], "not a training mix"),
     (["--mix", "writing", "--data-seed", "5"], "is a data seed of"),
 ])
-def test_eval_long_answers_refuses_unknown_mixes_and_training_seeds(embedded_target, argv, message):
+def test_eval_long_answers_refuses_unknown_mixes_and_training_seeds(embedded_target, argv, message, tmp_path):
     script = load_script("eval_long_answers")
+    args = script.parse_args(argv + ["--benchmarks", one_benchmark_prompt(tmp_path / "benchmarks")])
     with pytest.raises(ValueError, match=message):
-        script.mix_prompts(script.parse_args(argv), embedded_target[1])
+        script.mix_prompts(args, embedded_target[1])
