@@ -10,8 +10,8 @@ positions (``DrafterConfig.sliding_window``; the weights are the same), which te
 contexts longer than training showed apart from what the later text itself does to acceptance.
 ``--mix M`` decodes held-out prompts of a training mix instead (data seed ``--data-seed``, with
 every text a leg of ``--config`` trained on removed and checked against ``--benchmarks``, as
-``eval_heldout.py`` does), grouped by the
-prompts' own domains: a window chosen on the benchmark prompts is checked there before it ships.
+``eval_heldout.py`` does), grouped by the prompts' own domains: a window chosen on the benchmark
+prompts is checked there before it ships.
 τ does not depend on the machine's speed, so this needs no quiet machine.
 
     .venv/bin/python scripts/eval_long_answers.py --drafter smollm2_135m_dspark --window 256
@@ -20,7 +20,8 @@ prompts' own domains: a window chosen on the benchmark prompts is checked there 
 
 Writes JSON (``--out``): per drafter, τ by bucket pooled and per domain, every prompt's accepted
 drafts per round by bucket, and for a windowed run the ratio to the whole-context run per bucket
-with a 90% percentile-bootstrap interval over the prompts. The last line printed is the summary ``{"<drafter>": {"0-127": τ, ...}}``.
+with a 90% percentile-bootstrap interval over the prompts. The last line printed is the summary
+``{"<drafter>": {"0-127": τ, ...}}``.
 """
 
 from __future__ import annotations
