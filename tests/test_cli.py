@@ -346,7 +346,7 @@ def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
     assert script.tau_by_bucket(accepted, names) == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}
 
 
-def test_eval_long_answers_window_ratio_and_its_interval_are_paired_over_prompts():
+def test_eval_long_answers_window_ratio_per_bucket_with_its_bootstrap_interval():
     script = load_script("eval_long_answers")
     names = script.bucket_names(4, 2)
     # Two prompts; the window accepts one more draft in every round of the second bucket only.
