@@ -1,6 +1,7 @@
 """Target-only generation on the real embedded SmolLM2 target."""
 
-
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dspark_jax.config import SamplingConfig
@@ -49,6 +50,28 @@ def test_stop_ids_end_each_row_where_they_occur(generator, prompts):
         if stop in expected:
             expected = expected[: expected.index(stop) + 1]
         assert stopped.tokens[row] == expected
+
+
+def test_taps_are_the_forward_over_prompt_and_answer(generator, prompts, embedded_target):
+    """With tap layers, every position of prompt + answer gets the tapped layers' outputs as one
+    forward over the finished sequence computes them, including the last token of a row that
+    stopped early and of the rows that ran to max_new_tokens, and the answers do not change."""
+    target = embedded_target[0]
+    layers = (2, 17, target.cfg.num_layers - 1)
+    free = generator.generate(prompts, max_new_tokens=10, max_len=256)
+    stop = free.tokens[2][3]
+    plain = generator.generate(prompts, max_new_tokens=10, stop_ids=[stop], max_len=256)
+    tapping = AutoregressiveGenerator(target, tap_layers=layers)
+    result = tapping.generate(prompts, max_new_tokens=10, stop_ids=[stop], max_len=256)
+    assert result.tokens == plain.tokens and plain.taps is None
+    assert result.finish_reasons[2] == "stop" and len(result.tokens[2]) < 10
+    assert any(len(t) == 10 for t in result.tokens)
+    for row, prompt in enumerate(prompts):
+        sequence = list(prompt) + result.tokens[row]
+        assert result.taps[row].shape == (len(sequence), len(layers) * target.cfg.hidden_size)
+        whole = target.apply(target.params, jnp.asarray([sequence]), target.new_cache(1, 256), tap_layers=layers)
+        # A decode step and a whole-sequence forward round their float32 products differently.
+        np.testing.assert_allclose(result.taps[row], whole.taps[0], rtol=1e-3, atol=1e-3)
 
 
 def test_no_recompilation_after_warmup(generator, prompts):

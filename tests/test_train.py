@@ -18,7 +18,12 @@ from dspark_jax.checkpoints.drafter import build_drafter, load_drafter
 from dspark_jax.cli import main as cli_main
 from dspark_jax.training import target_cache
 from dspark_jax.training import train as train_module
-from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
+from dspark_jax.training.target_cache import (
+    CacheSpec,
+    TargetCacheWriter,
+    load_target_cache,
+    teacher_forced,
+)
 from dspark_jax.training.train import (
     BUDGET_FILE,
     LOG_FILE,
@@ -148,6 +153,25 @@ def test_cache_holds_the_targets_own_features_and_normaliser(tiny_parts):
     np.testing.assert_array_equal(
         np.argmax(out.logits[0, response_start - 1 : -1], axis=-1)[:8], seq.input_ids[response_start:][:8]
     )
+
+
+def test_cache_from_the_answers_own_forwards_equals_one_forward_over_each_sequence(tiny_parts):
+    """The writer keeps what the forwards that generated each answer computed; one forward over
+    the finished sequence (``teacher_forced``, what training computes for a cache of token ids)
+    gives the same features and hidden state to one bf16 rounding step, and an lse that differs
+    by no more than the logits of the two hidden states can (lse is 1-Lipschitz in the max norm)."""
+    config, target, sequences = tiny_parts
+    run = jax.jit(teacher_forced(target, config.cache.tap_layers))
+    _, head = target.embedding_and_head(target.params)
+    for seq in sequences[:4]:
+        n = len(seq.input_ids)
+        features, hidden, lse = jax.device_get(run(target.params, seq.input_ids[None], np.asarray([n], np.int32)))
+        for name, got, want in (("features", seq.features, features[0]), ("hidden", seq.hidden, hidden[0])):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
+        hidden_gap = np.abs(np.asarray(seq.hidden, np.float32) - np.asarray(hidden[0], np.float32))
+        logit_gap = (hidden_gap @ np.abs(np.asarray(head)).T).max(axis=-1)
+        assert (np.abs(seq.lse - lse[0]) <= logit_gap + 1e-4).all()
 
 
 @pytest.fixture

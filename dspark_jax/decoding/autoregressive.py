@@ -38,6 +38,9 @@ class GenerationResult:
     prefill_s: float  # prefill + first token
     decode_s: float  # every later step
     steps: int  # decode steps after prefill
+    # With ``tap_layers`` (and max_new_tokens > 0): per request, the tapped layers' raw outputs at
+    # every position of prompt + generated tokens, ``[len(prompt) + len(tokens), len(tap_layers) * d]``.
+    taps: list[np.ndarray] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -140,19 +143,26 @@ class AutoregressiveGenerator:
     included, as a speculative verify of that width, so its greedy output is what
     ``SpeculativeDecoder(..., strict=True)`` reproduces token for token (``docs/EXACTNESS.md``).
     It costs a wider forward per token; the default ``1`` is the fast baseline.
+
+    ``tap_layers`` (ascending decoder-layer ids) makes ``generate`` also return those layers' raw
+    outputs at every position of prompt + answer (``GenerationResult.taps``), as the forwards that
+    produced the answer computed them: what a target cache stores, without a second pass over the
+    finished sequences.
     """
 
-    def __init__(self, target: SpeculativeTarget, *, step_width: int = 1):
+    def __init__(self, target: SpeculativeTarget, *, step_width: int = 1, tap_layers: Sequence[int] = ()):
         if step_width < 1:
             raise ValueError(f"step_width must be >= 1, got {step_width}")
         self.target, self.step_width = target, step_width
+        self.tap_layers = tuple(int(i) for i in tap_layers)
+        taps = self.tap_layers
 
         def prefill(params, cache, tokens_BxP, prompt_lens_B, keys_B, sampling):
             out = target.apply(
-                params, tokens_BxP, cache, n_new_B=prompt_lens_B, logits_at_B=prompt_lens_B - 1
+                params, tokens_BxP, cache, n_new_B=prompt_lens_B, logits_at_B=prompt_lens_B - 1, tap_layers=taps
             )
             first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
-            return first, out.cache
+            return first, out.cache, out.taps
 
         def decode_step(params, cache, tokens_B, active_B, step_B, keys_B, sampling):
             if step_width == 1:
@@ -162,14 +172,16 @@ class AutoregressiveGenerator:
                     cache,
                     n_new_B=active_B.astype(jnp.int32),
                     logits_at_B=jnp.zeros_like(step_B),
+                    tap_layers=taps,
                 )
                 logits = out.logits
             else:
                 # Strict: a verify-shaped forward (all positions' logits); only token 0 is real.
                 padded = jnp.zeros((tokens_B.shape[0], step_width), jnp.int32).at[:, 0].set(tokens_B)
-                out = target.apply(params, padded, cache, n_new_B=active_B.astype(jnp.int32))
+                out = target.apply(params, padded, cache, n_new_B=active_B.astype(jnp.int32), tap_layers=taps)
                 logits = out.logits[:, 0]
-            return sample(logits, sampling, step_keys(keys_B, step_B)), out.cache
+            # The fed token's taps (an inactive row's too: its position is still its cache length).
+            return sample(logits, sampling, step_keys(keys_B, step_B)), out.cache, out.taps[:, 0]
 
         # The cache is donated: every layer's K/V buffer is updated in place.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
@@ -182,11 +194,11 @@ class AutoregressiveGenerator:
         params = SamplingParams.broadcast(SamplingConfig(), batch)
         keys = request_keys(range(batch))
         lens = jnp.ones((batch,), jnp.int32)
-        token_B, cache = self._prefill(
+        token_B, cache, _ = self._prefill(
             self.target.params, cache, jnp.zeros((batch, bucket(prompt_len)), jnp.int32), lens, keys, params
         )
         active = jnp.ones((batch,), bool)
-        token_B, cache = self._decode_step(self.target.params, cache, token_B, active, lens, keys, params)
+        token_B, cache, _ = self._decode_step(self.target.params, cache, token_B, active, lens, keys, params)
         jax.block_until_ready(token_B)
         return time.perf_counter() - start
 
@@ -228,15 +240,25 @@ class AutoregressiveGenerator:
         cache = self.target.new_cache(batch, max_len)
 
         start = time.perf_counter()
-        token_B, cache = self._prefill(
+        token_B, cache, prompt_taps = self._prefill(
             self.target.params, cache, jnp.asarray(requests.padded_BxP), jnp.asarray(lens, jnp.int32), keys, params
         )
         token_np = np.asarray(token_B)
         prefill_s = time.perf_counter() - start
-
         out: list[list[int]] = [[] for _ in range(batch)]
         reasons = ["length"] * batch
         active = np.ones(batch, bool)
+        # Taps per request: the prompt's from prefill, then each generated token's from the step
+        # that feeds it (a finished row's last token is fed by the next step all the same).
+        taps = None if not self.tap_layers else [[np.asarray(prompt_taps[row, :n])] for row, n in enumerate(lens)]
+        tapped = np.array(lens)
+
+        def record_taps(step_taps) -> None:
+            step_taps = np.asarray(step_taps)
+            for row in np.flatnonzero(tapped < np.asarray([n + len(t) for n, t in zip(lens, out)])):
+                taps[row].append(step_taps[row : row + 1])
+                tapped[row] += 1
+
         steps = 0
         start = time.perf_counter()
         while True:
@@ -251,10 +273,22 @@ class AutoregressiveGenerator:
             if not active.any():
                 break
             step_B = jnp.asarray([len(t) for t in out], jnp.int32)
-            token_B, cache = self._decode_step(
+            token_B, cache, step_taps = self._decode_step(
                 self.target.params, cache, token_B, jnp.asarray(active), step_B, keys, params
             )
+            if taps is not None:
+                record_taps(step_taps)
             token_np = np.asarray(token_B)
             steps += 1
+        if taps is not None:
+            # The last rows to finish have their last token fed by no step yet: one more forward,
+            # which commits nothing (every row inactive).
+            _, _, step_taps = self._decode_step(
+                self.target.params, cache, token_B, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
+                keys, params,
+            )
+            record_taps(step_taps)
+            taps = [np.concatenate(parts) for parts in taps]
         decode_s = time.perf_counter() - start
-        return GenerationResult(out, reasons, prefill_s, decode_s, steps)
+        return GenerationResult(out, reasons, prefill_s, decode_s, steps, taps)
+

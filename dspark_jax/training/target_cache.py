@@ -2,7 +2,8 @@
 
 For every training prompt the target answers through its chat template (spec §5.1: drafters
 learn the target's distribution, so the labels are the target's responses, not a dataset's).
-One teacher-forced pass over ``prompt + response`` then records, per token:
+The forwards that produce the answer (prefill, then one decode step per token) also record, per
+token of ``prompt + response``:
 
 * ``features`` — the tapped layers' raw outputs, concatenated (the drafter's context, §1.2);
 * ``hidden`` — the target's post-final-norm hidden state (the LM-head input), so the target's
@@ -13,8 +14,10 @@ One teacher-forced pass over ``prompt + response`` then records, per token:
 
 A cache built with ``store_features=False`` keeps only the token ids and loss masks (5 bytes a
 token): training then computes the three per-token arrays above on the fly with the frozen target
-(``teacher_forced``, the same function), which on an accelerator costs less than writing and
-reading 6.9 KB a token, and leaves the data set bounded by generation alone.
+(``teacher_forced``: one forward over the finished sequence, then the same ``stored_arrays``),
+which on an accelerator costs less than writing and reading 6.9 KB a token, and leaves the data
+set bounded by generation alone. The two ways agree to one bf16 rounding step: a decode step and
+a forward over the whole sequence round their float32 products differently (``docs/EXACTNESS.md``).
 
 Format: a directory with ``manifest.json`` (what produced the cache; a resumed run must match
 it) and ``shard-NNNNN.safetensors`` + ``shard-NNNNN.json`` per ``shard_size`` prompts. A shard
@@ -46,7 +49,7 @@ import safetensors.numpy
 from tqdm.auto import tqdm
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
 from dspark_jax.models.layers import project
 from dspark_jax.models.target import TargetModel
 
@@ -99,30 +102,44 @@ def _prompt_digest(prompt_ids: Sequence[Sequence[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
+def stored_arrays(target: TargetModel, params, taps_BxSxF):
+    """What the cache stores per token, from the raw outputs of the tapped layers followed by the
+    target's last layer: the features (bf16), the post-final-norm hidden state (bf16) and the
+    float32 ``logsumexp`` of the logits recomputed from that *rounded* hidden state, so that the
+    two agree at train time."""
+    d = target.cfg.hidden_size
+    features, final = taps_BxSxF[..., :-d], taps_BxSxF[..., -d:]
+    hidden = target.module(params).final_norm(final).astype(jnp.bfloat16)
+    _, head = target.embedding_and_head(params)
+
+    def row_lse(hidden_SxD):  # one row at a time: [S, V] logits, not [B, S, V]
+        logits = project(hidden_SxD.astype(head.dtype), head).astype(jnp.float32)
+        return jax.nn.logsumexp(logits, axis=-1)
+
+    return features.astype(jnp.bfloat16), hidden, jax.lax.map(row_lse, hidden)
+
+
+def cache_taps(target: TargetModel, tap_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """The layers whose raw outputs ``stored_arrays`` reads: the tapped ones, then the last."""
+    return tuple(tap_layers) + (target.cfg.num_layers - 1,)
+
+
 def teacher_forced(target: TargetModel, tap_layers: tuple[int, ...]):
     """The pure function ``(params, tokens_BxS, lens_B) -> (features, hidden, lse)`` over
-    right-padded sequences: what the cache stores per token (bf16 features and hidden state,
-    float32 lse), and what training computes from a cache of token ids alone."""
-    last = target.cfg.num_layers - 1
-    taps = tuple(tap_layers) + (last,)
+    right-padded sequences, by one forward over them: what training computes from a cache of
+    token ids alone (the cache writer gets the same arrays from the answer's own forwards)."""
+    taps = cache_taps(target, tap_layers)
 
     def run(params, tokens_BxS, lens_B):
-        module = target.module(params)
         cache = target.new_cache(tokens_BxS.shape[0], tokens_BxS.shape[1])
-        out = module(tokens_BxS, cache, n_new_B=lens_B, logits_at_B=jnp.zeros_like(lens_B), tap_layers=taps)
-        d = target.cfg.hidden_size
-        features, final = out.taps[..., :-d], out.taps[..., -d:]
-        # The stored hidden state is bf16; lse comes from that rounded value so the two agree.
-        hidden = module.final_norm(final).astype(jnp.bfloat16)
-        _, head = target.embedding_and_head(params)
-
-        def row_lse(hidden_SxD):  # one row at a time: [S, V] logits, not [B, S, V]
-            logits = project(hidden_SxD.astype(head.dtype), head).astype(jnp.float32)
-            return jax.nn.logsumexp(logits, axis=-1)
-
-        return features.astype(jnp.bfloat16), hidden, jax.lax.map(row_lse, hidden)
+        out = target.apply(params, tokens_BxS, cache, n_new_B=lens_B, logits_at_B=jnp.zeros_like(lens_B), tap_layers=taps)
+        return stored_arrays(target, params, out.taps)
 
     return run
+
+
+# Rows per call when the cache writer turns a batch's taps into stored arrays (one compiled shape).
+STORE_ROWS = 512
 
 
 class TargetCacheWriter:
@@ -132,8 +149,10 @@ class TargetCacheWriter:
         target.cfg.check_tap_layers(spec.tap_layers)
         self.target, self.spec, self.dir = target, spec, Path(out_dir)
         self.stop_ids = tuple(int(s) for s in stop_ids)
-        self.generator = AutoregressiveGenerator(target)
-        self.teacher_forced = jax.jit(teacher_forced(target, spec.tap_layers))
+        # The answers' own forwards give the stored arrays: no second pass over the sequences.
+        taps = cache_taps(target, spec.tap_layers) if spec.store_features else ()
+        self.generator = AutoregressiveGenerator(target, tap_layers=taps)
+        self.stored_arrays = jax.jit(lambda params, taps_NxF: stored_arrays(target, params, taps_NxF[None]))
         # One decode cache length for every batch: the decode step compiles once.
         self.max_len = cache_len([spec.max_prompt_tokens], spec.max_new_tokens, target.cfg.max_position_embeddings)
 
@@ -237,10 +256,12 @@ class TargetCacheWriter:
         bar.close()
         return len(shards)
 
-    def _respond(self, prompts, first_index: int) -> list[list[int]]:
-        """The target's responses, in batches of ``batch_size`` sorted by prompt length."""
+    def respond(self, prompts, first_index: int) -> tuple[list[list[int]], list[tuple | None]]:
+        """The target's responses, in batches of ``batch_size`` sorted by prompt length, and per
+        response the stored arrays of prompt + response (``None`` without ``store_features``)."""
         spec = self.spec
         responses: list[list[int]] = [[] for _ in prompts]
+        per_token: list[tuple | None] = [None for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for lo in range(0, len(order), spec.batch_size):
             rows = order[lo : lo + spec.batch_size]
@@ -255,36 +276,36 @@ class TargetCacheWriter:
                 stop_ids=self.stop_ids,
                 max_len=self.max_len,
             )
-            for i, tokens in zip(rows, result.tokens):
-                responses[i] = tokens
-        return responses
+            for row, i in enumerate(rows):
+                responses[i] = result.tokens[row]
+            if result.taps is not None:
+                for i, stored in zip(rows, self._stored(result.taps[: len(rows)])):
+                    per_token[i] = stored
+        return responses, per_token
+
+    def _stored(self, taps: list[np.ndarray]) -> list[tuple]:
+        """``stored_arrays`` of each sequence's taps, computed over all of them in fixed-size row
+        chunks (one compiled shape, no padding to the longest sequence)."""
+        flat = np.concatenate(taps)
+        rows = -(-len(flat) // STORE_ROWS) * STORE_ROWS
+        flat = np.concatenate([flat, np.zeros((rows - len(flat), flat.shape[1]), flat.dtype)])
+        chunks = [jax.device_get(self.stored_arrays(self.target.params, flat[lo : lo + STORE_ROWS]))
+                  for lo in range(0, rows, STORE_ROWS)]
+        features, hidden, lse = (np.concatenate([c[k][0] for c in chunks]) for k in range(3))
+        bounds = np.cumsum([0] + [len(t) for t in taps])
+        return [(features[a:b], hidden[a:b], lse[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _write_shard(self, shard: int, prompts, names, first_index: int) -> None:
         spec = self.spec
-        responses = self._respond(prompts, first_index)
+        responses, per_token = self.respond(prompts, first_index)
         kept = [i for i, r in enumerate(responses) if len(r) >= spec.min_response_tokens]
         sequences = [list(prompts[i]) + responses[i] for i in kept]
         arrays = {k: [] for k in ("input_ids", "loss_mask", "features", "hidden", "lse")}
-        if not spec.store_features:
-            arrays["input_ids"] = [np.asarray(seq, np.int32) for seq in sequences]
-        for lo in range(0, len(sequences) if spec.store_features else 0, spec.batch_size):
-            chunk = sequences[lo : lo + spec.batch_size]
-            lens = np.asarray([len(s) for s in chunk], np.int32)
-            width = bucket(int(lens.max()), 64)
-            tokens = np.zeros((spec.batch_size, width), np.int32)
-            for row, seq in enumerate(chunk):
-                tokens[row, : len(seq)] = seq
-            lens_full = np.ones(spec.batch_size, np.int32)
-            lens_full[: len(chunk)] = lens
-            features, hidden, lse = jax.device_get(
-                self.teacher_forced(self.target.params, jnp.asarray(tokens), jnp.asarray(lens_full))
-            )
-            for row, seq in enumerate(chunk):
-                n = len(seq)
-                arrays["input_ids"].append(tokens[row, :n])
-                arrays["features"].append(features[row, :n])
-                arrays["hidden"].append(hidden[row, :n])
-                arrays["lse"].append(lse[row, :n])
+        arrays["input_ids"] = [np.asarray(seq, np.int32) for seq in sequences]
+        if spec.store_features:
+            for i in kept:
+                for name, values in zip(("features", "hidden", "lse"), per_token[i]):
+                    arrays[name].append(values)
         for i, seq_index in enumerate(kept):
             mask = np.zeros(len(sequences[i]), np.uint8)
             mask[len(prompts[seq_index]) :] = 1
