@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from flax import nnx
 
 from dspark_jax.checkpoints.drafter import build_drafter, load_drafter
 from dspark_jax.cli import main as cli_main
@@ -581,6 +582,45 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
         assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
 
 
+def test_a_drafter_started_from_target_layers_copies_them_and_trains(tmp_path, tiny_parts):
+    """``target_init_layers``: the drafter's layer is the target's, its context rows start as the
+    last tap under that layer's input norm, its final norm is the target's; every parameter is its
+    own buffer (the step donates them), so it trains."""
+    config, target, sequences = tiny_parts
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "copied"), steps=2, heldout_prompts=0,
+                                 target_init_layers=(1,))
+    trainer = Trainer(config, target, sequences)
+    drafter = nnx.merge(trainer.graphdef, trainer.params, trainer.rest)
+    layer, source = drafter.backbone.layers[0], target.module().layers[1]
+    np.testing.assert_array_equal(np.concatenate([layer.q.weight[...], layer.kv.weight[...]]), source.attn.qkv.weight[...])
+    for mine, theirs in ((layer.o, source.attn.o), (layer.mlp.gate_up, source.mlp.gate_up), (layer.mlp.down, source.mlp.down),
+                         (layer.input_norm, source.input_norm), (layer.post_attn_norm, source.post_attn_norm),
+                         (drafter.backbone.final_norm, target.module().final_norm)):
+        np.testing.assert_array_equal(mine.weight[...], theirs.weight[...])
+    d = target.cfg.hidden_size
+    features = jax.random.normal(jax.random.key(0), (5, drafter.cfg.context_size))
+    np.testing.assert_allclose(drafter.backbone.project_context(features), source.input_norm(features[:, -d:]), rtol=1e-5)
+    train_together([trainer], progress=False)
+    assert len(losses(config.out_dir)) == 2 and np.isfinite(losses(config.out_dir)).all()
+
+
+def test_target_init_layers_are_checked_and_pass_to_block_baselines_only(tiny_parts):
+    config, target, sequences = tiny_parts
+    copied = dataclasses.replace(config, target_init_layers=(1,))
+    with pytest.raises(ValueError, match="set one of them"):
+        dataclasses.replace(copied, init_from="runs/elsewhere")
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        dataclasses.replace(copied, drafter=dict(kind="eagle3", mask_token_id=0, block_size=4))
+    with pytest.raises(ValueError, match="one per drafter layer"):
+        dataclasses.replace(config, target_init_layers=(0, 1))
+    with pytest.raises(ValueError, match="outside the target's layers"):
+        Trainer(dataclasses.replace(config, target_init_layers=(target.cfg.num_layers,)), target, sequences)
+    assert next_leg(copied, "tiny_second").target_init_layers is None  # a later leg starts from a drafter
+    flash = same_legs(copied, dict(kind="dflash", mask_token_id=0, block_size=4), ("tiny", "flash"))
+    eagle = same_legs(copied, dict(kind="eagle3", mask_token_id=0, block_size=4), ("tiny", "eagle"))
+    assert flash.target_init_layers == (1,) and eagle.target_init_layers is None
+
+
 def test_the_accelerator_configs_can_train_under_one_budget():
     """The three accelerator configs pass run_budgeted's checks: the same data and batches, a
     cache of token ids, the shipped drafters' shapes, no earlier leg to train first."""
@@ -591,6 +631,7 @@ def test_the_accelerator_configs_can_train_under_one_budget():
     shipped = load_config(REPO / "configs" / "smollm2_135m_dspark.py")
     assert spark.drafter == shipped.drafter and flash.drafter["num_layers"] == shipped.drafter["num_layers"]
     assert [c.kind for c in (spark, flash, eagle)] == ["dspark", "dflash", "eagle3"]
+    assert spark.target_init_layers == flash.target_init_layers == (28, 29) and eagle.target_init_layers is None
     assert len({c.out_dir for c in (spark, flash, eagle)}) == 3
 
 

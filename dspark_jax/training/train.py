@@ -94,6 +94,9 @@ class TrainConfig:
     cache_dir: str | None = None  # default: out_dir/cache (configs on one data set share one)
     cache_shards: int | None = None  # build and train on the cache's first N shards (default: all its prompts span)
     init_from: TrainConfig | str | os.PathLike | None = None  # start from a trained drafter (see the module doc)
+    # A block drafter trained from scratch starts its layer i as the target's layer
+    # target_init_layers[i] (``copy_target_layers``); legs after the first start from a drafter.
+    target_init_layers: tuple[int, ...] | None = None
     # Held-out answers scored every ``heldout_every`` steps (see ``heldout_prompts``); 0: none.
     heldout_prompts: int = 0
     heldout_seed: int = 1
@@ -130,6 +133,17 @@ class TrainConfig:
             raise ValueError("seq_len must leave room for response tokens after the longest prompt")
         if not isinstance(self.init_from, (TrainConfig, str, os.PathLike, type(None))):
             raise ValueError(f"init_from must be a TrainConfig, a drafter directory or None, got {self.init_from!r}")
+        if self.target_init_layers is not None:
+            object.__setattr__(self, "target_init_layers", tuple(int(i) for i in self.target_init_layers))
+            if self.init_from is not None:
+                raise ValueError("target_init_layers starts a drafter from scratch; init_from starts it from a "
+                                 "trained one: set one of them")
+            if self.kind == "eagle3":
+                raise ValueError("target_init_layers needs a block drafter (dspark, dflash): EAGLE-3's layer reads "
+                                 "[embedding ; features], a shape no target layer has")
+            if len(self.target_init_layers) != self.drafter.get("num_layers", 1):
+                raise ValueError(f"target_init_layers names {len(self.target_init_layers)} target layers for a drafter "
+                                 f"of {self.drafter.get('num_layers', 1)} layers: give one per drafter layer")
 
     @property
     def cache_path(self) -> Path:
@@ -173,7 +187,8 @@ class TrainConfig:
 def next_leg(previous: TrainConfig, name: str, **changes) -> TrainConfig:
     """A training leg that starts from ``previous``'s exported drafter: ``previous`` with ``changes``,
     named ``name`` and written to ``runs/<name>``."""
-    return dataclasses.replace(previous, name=name, out_dir=f"runs/{name}", init_from=previous, **changes)
+    return dataclasses.replace(previous, name=name, out_dir=f"runs/{name}", init_from=previous,
+                               **{"target_init_layers": None, **changes})
 
 
 def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> TrainConfig:
@@ -192,8 +207,10 @@ def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> Tr
     if isinstance(start, TrainConfig):
         start = same_legs(start, drafter, rename)
     old, new = rename
+    # EAGLE-3 has no target-shaped layer to start from (TrainConfig.target_init_layers).
+    target_init = None if drafter.get("kind") == "eagle3" else config.target_init_layers
     return dataclasses.replace(config, name=config.name.replace(old, new), out_dir=config.out_dir.replace(old, new),
-                               drafter=leg_drafter, init_from=start)
+                               drafter=leg_drafter, init_from=start, target_init_layers=target_init)
 
 
 def load_config(path) -> TrainConfig:
@@ -552,6 +569,41 @@ def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, see
     return drafter
 
 
+def copy_target_layers(drafter, target, layers: tuple[int, ...]):
+    """``drafter`` with its layer ``i`` a copy of the target's layer ``layers[i]`` (a block
+    drafter's layers have the target's shape), its final norm the target's, and its context
+    projection starting as the last tapped layer's output under the first copied layer's input
+    norm, so that the copied attention first reads the context as the target's late layers do.
+    The Markov and confidence heads keep their random init. A from-scratch drafter started this
+    way learns slot 1 faster than one started from random weights (``docs/TRAINING.md``)."""
+    cfg, module = drafter.cfg, target.module()
+    bad = [i for i in layers if not 0 <= i < target.cfg.num_layers]
+    if bad:
+        raise ValueError(f"target_init_layers {bad} are outside the target's layers 0..{target.cfg.num_layers - 1}")
+    q_rows = cfg.backbone.num_heads * cfg.backbone.head_dim
+    for layer, index in zip(drafter.backbone.layers, layers, strict=True):
+        source = module.layers[index]
+        qkv = source.attn.qkv.weight[...]
+        layer.q.weight[...] = qkv[:q_rows]
+        layer.kv.weight[...] = qkv[q_rows:]  # [k ; v]: the order DraftLayer.keys_values splits
+        layer.o.weight[...] = source.attn.o.weight[...]
+        for name in ("q_norm", "k_norm"):
+            if getattr(layer, name) is not None:
+                getattr(layer, name).weight[...] = getattr(source.attn, name).weight[...]
+        layer.input_norm.weight[...] = source.input_norm.weight[...]
+        layer.post_attn_norm.weight[...] = source.post_attn_norm.weight[...]
+        layer.mlp.gate_up.weight[...] = source.mlp.gate_up.weight[...]
+        layer.mlp.down.weight[...] = source.mlp.down.weight[...]
+    d = cfg.backbone.hidden_size
+    fc = jnp.zeros_like(drafter.backbone.fc.weight[...])
+    drafter.backbone.fc.weight[...] = fc.at[:, -d:].set(jnp.eye(d, dtype=fc.dtype))
+    drafter.backbone.hidden_norm.weight[...] = module.layers[layers[0]].input_norm.weight[...]
+    drafter.backbone.final_norm.weight[...] = module.final_norm.weight[...]
+    # Every parameter its own buffer: training donates them, and one target array set twice is one buffer.
+    graph, state = nnx.split(drafter)
+    return nnx.merge(graph, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
+
+
 class Trainer:
     """One drafter's run: its parameters and optimizer state on a device mesh (resumed from the
     newest checkpoint in ``out_dir``), its batches and compiled step. ``train_together`` runs the
@@ -569,6 +621,8 @@ class Trainer:
             drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
             if drafter.draft_head is not None:
                 drafter.init_draft_head(head)
+            if config.target_init_layers is not None:
+                drafter = copy_target_layers(drafter, target, config.target_init_layers)
         self.graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
         self.tx = optimizer(config)
 
