@@ -301,9 +301,9 @@ def test_a_cache_of_token_ids_stops_at_a_deadline_and_resumes(tmp_path, six_prom
 
 
 def test_training_on_token_ids_computes_the_features_the_cache_holds(tiny_parts):
-    """From a cache of token ids, the step gets the cached batch's features (computed by the
-    same function at another padded width: equal up to one bf16 rounding step), so the loss and
-    the acceptance estimate are the cached batch's to float32 rounding."""
+    """From a cache of token ids, the step gets the cached batch's features (the cache kept the
+    answers' own forwards, the step runs one forward over the batch: equal up to one bf16
+    rounding step), so the loss and the acceptance estimate are the cached batch's."""
     config, target, sequences = tiny_parts
     online = dataclasses.replace(config, cache=dataclasses.replace(config.cache, store_features=False))
     ids_only = [dataclasses.replace(s, features=None, hidden=None, lse=None) for s in sequences]

@@ -310,8 +310,9 @@ class BatchSource:
 def batch_completer(target, tap_layers: tuple[int, ...]):
     """``(target params, batch) -> batch`` with the target's per-token arrays: a batch from a cache
     of token ids alone (``CacheSpec.store_features=False``) gets them from the frozen target, by
-    the function that fills a cache (``teacher_forced``), so both kinds of cache give the same
-    batch; a batch that has them is returned as it is (and the params may be None)."""
+    one forward over it (``teacher_forced``, ending in the ``stored_arrays`` a full cache stores),
+    so both kinds of cache give the same batch to one bf16 rounding step; a batch that has them
+    is returned as it is (and the params may be None)."""
     forward = teacher_forced(target, tap_layers)
 
     def complete(target_params, batch: TrainBatch) -> TrainBatch:
