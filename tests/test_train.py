@@ -631,7 +631,7 @@ def test_the_accelerator_configs_can_train_under_one_budget():
     shipped = load_config(REPO / "configs" / "smollm2_135m_dspark.py")
     assert spark.drafter == shipped.drafter and flash.drafter["num_layers"] == shipped.drafter["num_layers"]
     assert [c.kind for c in (spark, flash, eagle)] == ["dspark", "dflash", "eagle3"]
-    assert spark.target_init_layers == flash.target_init_layers == (28, 29) and eagle.target_init_layers is None
+    assert all(c.target_init_layers is None for c in (spark, flash, eagle))  # docs/TRAINING.md says why
     assert len({c.out_dir for c in (spark, flash, eagle)}) == 3
 
 

@@ -575,8 +575,8 @@ def copy_target_layers(drafter, target, layers: tuple[int, ...]):
     drafter's layers have the target's shape), its final norm the target's, and its context
     projection starting as the last tapped layer's output under the first copied layer's input
     norm, so that the copied attention first reads the context as the target's late layers do.
-    The Markov and confidence heads keep their random init. A from-scratch drafter started this
-    way learns slot 1 faster than one started from random weights (``docs/TRAINING.md``)."""
+    The Markov and confidence heads keep their random init. From scratch, this start raised
+    slot-1 acceptance for DSpark and DFlash, and lowered DFlash's later slots (``docs/TRAINING.md``)."""
     cfg, module = drafter.cfg, target.module()
     bad = [i for i in layers if not 0 <= i < target.cfg.num_layers]
     if bad:
