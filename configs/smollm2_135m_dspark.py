@@ -11,9 +11,10 @@ prompts; for the fifth, 633 more of seed 5 from the "writing" mix (long-form pos
 letters and essays, with stubs, math and tasks): 3,123 prompts. The seventh leg trains on fresh
 answers only, in a cache of its own: 214 prompts from each of seeds 6 (paper), 7 (formats) and
 8 (writing), 635 after duplicates and over-long prompts are dropped; the eighth grows that cache
-to 1,263 prompts with 214 more from each of seeds 9, 10 and 11. Seed 1 is kept for the held-out
-set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352 keeps 99.98% of the
-response tokens while sparing the padding that 512 cost every step.
+to 1,263 prompts with 214 more from each of seeds 9, 10 and 11; the tenth and twelfth train on
+fresh answers only again, 214 prompts from each of seeds 15-17 and 320 from each of seeds 24-26.
+Seed 1 is kept for the held-out set. Sequences are at most 256 + 160 tokens, and ``seq_len`` 352
+keeps 99.98% of the response tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), 5 tapped
 layers spread like DeepSpec's, γ = 7, a 4096-token reduced head (its size decides the sequential
@@ -21,17 +22,18 @@ head's per-token cost on CPU), confidence head, vanilla Markov head of rank 64 u
 leg widens it to the paper's 256 (``Drafter.widened_markov``) with ``W1`` rows for the draft
 vocabulary plus one shared row (``markov_w1_rows="draft"``): rank 256 over all 49,152 target ids
 would be 25 MB on its own.
-Training: eight legs. The first (500 steps) starts from random weights at peak lr 1e-3 and
-decays to 0; each later one restarts from the previous drafter with a fresh warm-up + cosine at
-half the peak and new anchor samples: 500 more steps on the same data, then 300 steps on the
-grown data, then 300 on the data with the formats prompts, then 300 with the writing prompts,
-then 300 on the same data with a second layer appended as an identity layer
-(``Drafter.deepened``), then 200 on the fresh answers, then 200 on those and as many more
-fresh answers with the wider Markov head, scoring 48 held-out answers every 50 steps. The
-held-out τ had stopped rising on the first data set (``docs/heldout_tau.json``), so legs 3–5 buy
-data, not steps, and legs 7 and 8 answers never seen. The DFlash and EAGLE-3 configs
-reuse this data, caches and step budget, leg for leg; DFlash takes each leg's depth too (EAGLE-3
-keeps its one layer, as in the paper).
+Training: ten legs, numbered 1-8, 10 and 12 (9 and 11 were experiments, docs/TRAINING.md). The
+first (500 steps) starts from random weights at peak lr 1e-3 and decays to 0; each later one
+restarts from the previous drafter with a fresh warm-up + cosine at half the peak and new anchor
+samples: 500 more steps on the same data, then 300 steps on the grown data, then 300 on the data
+with the formats prompts, then 300 with the writing prompts, then 300 on the same data with a
+second layer appended as an identity layer (``Drafter.deepened``), then 200 on the fresh answers,
+then 200 on those and as many more fresh answers with the wider Markov head, then 200 on fresh
+answers with the head gated (``Drafter.gated_markov``), then 200 on fresh answers again, scoring 48
+held-out answers every 50 steps. The held-out τ had stopped rising on the first data set
+(``docs/heldout_tau.json``), so legs 3–5 buy data, not steps, and legs 7, 8, 10 and 12 answers
+never seen. The DFlash and EAGLE-3 configs reuse this data, caches and step budget, leg for leg;
+DFlash takes each leg's depth too (EAGLE-3 keeps its one layer, as in the paper).
 """
 
 from pathlib import Path
@@ -115,13 +117,24 @@ EIGHTH_LEG = next_leg(
 # Leg 10 (leg 9 was an unshipped experiment on T = 1 answers, docs/TRAINING.md): fresh answers
 # only, 214 prompts from each of seeds 15-17 in a cache of their own, and the Markov head gated
 # (Drafter.gated_markov: the gate starts at 1/2 against a doubled W2, so step 0 drafts as leg 8).
-CONFIG = next_leg(
+TENTH_LEG = next_leg(
     EIGHTH_LEG,
-    "smollm2_135m_dspark",
+    "smollm2_135m_dspark_tenth",
     num_prompts=214,
     data_seed=(15, 16, 17),
     data_mix=("paper", "formats", "writing"),
     cache_dir="runs/smollm2_135m_cache_leg10",
     drafter={**EIGHTH_LEG.drafter, "markov_head": "gated"},
     seed=51,
+)
+# Leg 12 (leg 11 was an unshipped experiment on greedy answers, docs/TRAINING.md): fresh answers
+# only again, 320 prompts from each of seeds 24-26 in a cache of their own.
+CONFIG = next_leg(
+    TENTH_LEG,
+    "smollm2_135m_dspark",
+    num_prompts=320,
+    data_seed=(24, 25, 26),
+    cache_dir="runs/smollm2_135m_cache_leg12",
+    seed=53,
+    heldout_cache_dir="runs/heldout_cache_seed1_n48_leg12",
 )

@@ -577,7 +577,7 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
         same_legs(second, dict(kind="dflash", num_layers=1, mask_token_id=0, block_size=4), ("tiny", "flash"))
     # The shipped DFlash baseline has the shipped DSpark drafter's depth in every leg.
     dspark, dflash = (load_config(REPO / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash"))
-    assert len(dspark.legs) == len(dflash.legs) == 9
+    assert len(dspark.legs) == len(dflash.legs) == 10
     for spark_leg, flash_leg in zip(dspark.legs, dflash.legs):
         assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
 
