@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -68,7 +69,9 @@ def parse_args(argv):
                     "measures, per domain, without running the target")
     ap.add_argument("--cache-dir", default=None,
                     help="where the held-out target cache is built or resumed (default runs/heldout_cache_seed{S}_n{N}, "
-                    "then _{mix} for a mix other than paper, then _t{T}_p{P}_k{K} with --temperature)")
+                    "then _{mix} for a mix other than paper, then _t{T}_p{P}_k{K} with --temperature, then, for a "
+                    "mix, _{digest of its prompts}, which leave out the configs' training texts; "
+                    "runs/heldout_cache_benchmarks_skip{K}_n{N}[_t..] with --benchmarks)")
     ap.add_argument("--last-legs", type=int, default=None, help="score only each config's last N legs (default: all)")
     ap.add_argument("--heldout-only", action="store_true",
                     help="skip the training-sequence score (needed when the legs trained on different caches)")
@@ -101,13 +104,25 @@ def parse_args(argv):
             ap.error(f"--temperature/--top-k/--top-p: {error}")
     if args.replay is not None and (args.temperature != 0 or args.replay < 2):
         ap.error("--replay needs --temperature 0 (greedy answers are the path greedy decoding takes) and TOKENS >= 2")
-    if args.cache_dir is None:
-        mix = "" if args.mix == "paper" else f"_{args.mix}"
-        sampling = "" if args.temperature is None else f"_t{args.temperature:g}_p{args.top_p:g}_k{args.top_k}"
-        prompts = (f"seed{args.data_seed}" if args.benchmarks is None
-                   else f"benchmarks_skip{args.benchmark_skip}")
-        args.cache_dir = f"runs/heldout_cache_{prompts}_n{args.num_prompts}{'' if args.benchmarks else mix}{sampling}"
     return args
+
+
+def heldout_cache_dir(args, prompts) -> str:
+    """``--cache-dir``, or a name that says which answers the cache holds.
+
+    A mix's held-out prompts leave out every text the configs' legs trained on, so configs with a
+    leg on new seeds can draw other prompts under the same seed and count: a mix's name ends in a
+    digest of its prompts, and such configs get a cache of their own instead of one built for
+    others. Benchmark prompts are fixed by the files, the skip and the count.
+    """
+    if args.cache_dir is not None:
+        return args.cache_dir
+    sampling = "" if args.temperature is None else f"_t{args.temperature:g}_p{args.top_p:g}_k{args.top_k}"
+    if args.benchmarks is not None:
+        return f"runs/heldout_cache_benchmarks_skip{args.benchmark_skip}_n{args.num_prompts}{sampling}"
+    mix = "" if args.mix == "paper" else f"_{args.mix}"
+    digest = hashlib.sha256("\n".join(f"{p.id}\t{p.text}" for p in prompts).encode()).hexdigest()[:8]
+    return f"runs/heldout_cache_seed{args.data_seed}_n{args.num_prompts}{mix}{sampling}_{digest}"
 
 
 # Sequences scored per batch: what the CPU legs trained with. Only whole batches are scored, so
@@ -199,6 +214,7 @@ def main(argv=None) -> int:
     from dspark_jax.training.train import (
         batch_completer,
         build_heldout_cache,
+        heldout_prompts,
         load_config,
         load_target,
         load_training_set,
@@ -221,8 +237,11 @@ def main(argv=None) -> int:
         answers = dataclasses.replace(answers, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     heldout_config = dataclasses.replace(first, batch_size=min(first.batch_size, SCORE_BATCH),
                                          heldout_prompts=args.num_prompts, heldout_seed=args.data_seed,
-                                         heldout_mix=args.mix, heldout_cache_dir=args.cache_dir, cache=answers)
-    prompts = None if args.benchmarks is None else benchmark_prompts(args.benchmarks, args.num_prompts // 3, args.benchmark_skip)
+                                         heldout_mix=args.mix, cache=answers)
+    prompts = (heldout_prompts(heldout_config) if args.benchmarks is None
+               else benchmark_prompts(args.benchmarks, args.num_prompts // 3, args.benchmark_skip))
+    args.cache_dir = heldout_cache_dir(args, prompts)
+    heldout_config = dataclasses.replace(heldout_config, heldout_cache_dir=args.cache_dir)
     heldout = build_heldout_cache(heldout_config, target, tokenizer, prompts=prompts)
     names = [s.name for s in heldout]
     scored = [leg for config in configs for _, _, leg in drafter_legs(config, args.last_legs)]

@@ -263,13 +263,26 @@ def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path
 
 
 def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
+    from dspark_jax.training.data import TrainingPrompt
+
     script = load_script("eval_heldout")
-    assert script.parse_args([]).cache_dir == "runs/heldout_cache_seed1_n48"
+    prompts = [TrainingPrompt("math-000001", "math", "Add 2 and 2."), TrainingPrompt("code-000002", "code", "Sort x.")]
+    default = script.heldout_cache_dir(script.parse_args([]), prompts)
+    stem, digest = default.rsplit("_", 1)
+    assert stem == "runs/heldout_cache_seed1_n48" and len(digest) == 8
+    assert script.heldout_cache_dir(script.parse_args([]), list(prompts)) == default
+    # Configs with a leg on new seeds hold out other prompts under the same seed and count: they
+    # get a cache of their own, not the answers to someone else's prompts.
+    for other in (prompts[:1] + [TrainingPrompt("code-000002", "code", "Sort y.")],
+                  prompts[:1] + [TrainingPrompt("code-000003", "code", "Sort x.")]):
+        assert script.heldout_cache_dir(script.parse_args([]), other) != default
     args = script.parse_args(["--mix", "formats", "--temperature", "1"])
     assert (args.top_p, args.top_k) == (1.0, 0)  # top-k and top-p are off unless given
-    assert args.cache_dir == "runs/heldout_cache_seed1_n48_formats_t1_p1_k0"
+    assert script.heldout_cache_dir(args, prompts) == f"runs/heldout_cache_seed1_n48_formats_t1_p1_k0_{digest}"
+    # Benchmark prompts are fixed by the files, the skip and the count.
     args = script.parse_args(["--benchmarks", "b", "--num-prompts", "12", "--benchmark-skip", "3"])
-    assert args.cache_dir == "runs/heldout_cache_benchmarks_skip3_n12"
+    assert script.heldout_cache_dir(args, prompts) == "runs/heldout_cache_benchmarks_skip3_n12"
+    assert script.heldout_cache_dir(script.parse_args(["--cache-dir", "runs/mine"]), prompts) == "runs/mine"
 
 
 @pytest.mark.parametrize("argv, message", [
