@@ -113,7 +113,9 @@ def heldout_cache_dir(args, prompts) -> str:
     A mix's held-out prompts leave out every text the configs' legs trained on, so configs with a
     leg on new seeds can draw other prompts under the same seed and count: a mix's name ends in a
     digest of its prompts, and such configs get a cache of their own instead of one built for
-    others. Benchmark prompts are fixed by the files, the skip and the count.
+    others. The digest covers every candidate prompt (the first ``--num-prompts`` that fit are
+    answered), so it may change when the answered ones do not, never the other way round.
+    Benchmark prompts are fixed by the files, the skip and the count.
     """
     if args.cache_dir is not None:
         return args.cache_dir
