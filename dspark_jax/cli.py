@@ -152,6 +152,8 @@ def cmd_generate(args) -> int:
 
     if not args.prompt:
         raise SystemExit("--prompt is empty")
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.policy is not None and args.drafter is None:
         raise SystemExit("--policy needs --drafter")
     policy = parse_policy_arg(args.policy)
@@ -259,6 +261,8 @@ def cmd_demo(args) -> int:
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
     from dspark_jax.drafters import DEFAULT, is_shipped
 
+    if args.max_new_tokens < 1:
+        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     start = time.perf_counter()
     target, tokenizer = load_target(None)
     print(f"embedded target: SmolLM2-135M-Instruct, {target.num_params / 1e6:.1f}M parameters, "

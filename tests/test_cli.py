@@ -124,6 +124,7 @@ def _tiny_target_drafter(directory):
         (["--drafter", "{drafter}", "--policy", "greedy:3"], "policy must be 'fixed:K', 'threshold:X'"),
         (["--drafter", "{drafter}", "--policy", "fixed:three"], "--policy 'fixed:three'"),
         (["--drafter", "{drafter}", "--policy", "threshold:1.5"], "threshold must be in"),
+        (["--drafter", "{drafter}", "--policy", "fixed:99"], "fixed:99 asks for 99 drafts a round"),
         (["--policy", "fixed:3"], "--policy needs --drafter"),
     ],
 )
@@ -140,6 +141,13 @@ def test_bad_drafter_or_policy_is_a_one_line_error(extra, message, monkeypatch, 
         main(["generate", "--prompt", "Hi", *[paths.get(a, a) for a in extra]])
     text = str(exit_info.value.code)
     assert message in text and "\n" not in text
+
+
+@pytest.mark.parametrize("command", ["generate", "demo"])
+def test_no_new_tokens_is_a_one_line_error(command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--prompt", "Hi", "--max-new-tokens", "0"] if command == "generate" else [command, "--max-new-tokens", "0"])
+    assert str(exit_info.value.code) == "--max-new-tokens must be >= 1, got 0"
 
 
 def test_threshold_policy_needs_a_confidence_head():

@@ -73,8 +73,10 @@ def load_drafter_spec(spec: str, target_cfg):
 def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     """The policy to run ``drafter_cfg`` with, and a note when it had to differ from ``policy``.
 
-    ``None`` keeps the decoder's default. Threshold and scheduler policies need a confidence head;
-    drafters without one (DFlash, EAGLE-3) verify the whole block instead (``fixed:γ``). A
+    ``None`` keeps the decoder's default. ``fixed:K`` with K past the drafter's block size γ is an
+    error (it cannot verify drafts that are never proposed). Threshold and scheduler policies need
+    a confidence head; drafters without one (DFlash, EAGLE-3) verify the whole block instead
+    (``fixed:γ``). A
     scheduler policy without calibrations gets the drafter's from ``directory/calibration.json``
     (``training.calibrate``; each request is served by the one for its own sampling); when none
     serves ``sampling`` (default greedy) the note says that it runs on the raw confidences.
@@ -86,8 +88,11 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     from dspark_jax.scheduler.prefix import SchedulerPolicy, calibration_for
     from dspark_jax.training.calibrate import read_calibrations
 
+    gamma = drafter_cfg.block_size
+    if isinstance(policy, FixedPolicy) and policy.k > gamma:
+        raise ValueError(f"fixed:{policy.k} asks for {policy.k} drafts a round, but this {drafter_cfg.kind} drafter "
+                         f"proposes γ = {gamma}: use fixed:K with K <= {gamma}")
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
-        gamma = drafter_cfg.block_size
         asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
     if isinstance(policy, SchedulerPolicy) and not policy.calibrations:
