@@ -345,8 +345,8 @@ def cmd_profile(args) -> int:
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.scheduler.profile import profile_round_costs, save_cost_tables
 
-    if any(b < 1 for b in args.batch) or args.repeats < 1:
-        raise SystemExit("--batch values and --repeats must be >= 1")
+    if any(b < 1 for b in args.batch) or any(w < 1 for w in args.widths) or args.repeats < 1:
+        raise SystemExit("--batch values, --widths values and --repeats must be >= 1")
     check_drafter_arg(args.drafter)
     target, _ = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")
     prof.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     prof.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
-    prof.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8)")
+    prof.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8; the full-block width γ + 1 is always added)")
     prof.add_argument("--max-len", type=int, default=256, help="cache length to time with (default 256)")
     prof.add_argument("--repeats", type=int, default=10, help="timed rounds per width; the median counts")
     prof.add_argument("--out", required=True, help="JSON cost table to write")
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as error:  # bad input: a clear message, not a traceback
+    except (ValueError, FileNotFoundError) as error:  # bad input: a clear message, not a traceback
         print(f"dspark {args.command}: error: {error}", file=sys.stderr)
         return 2
 

@@ -150,6 +150,24 @@ def test_no_new_tokens_is_a_one_line_error(command):
     assert str(exit_info.value.code) == "--max-new-tokens must be >= 1, got 0"
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["profile", "--widths", "0", "4", "--out", "costs.json"], "--widths values"),
+        (["profile", "--batch", "0", "--out", "costs.json"], "--batch values"),
+    ],
+)
+def test_bad_profile_arguments_are_a_one_line_error(argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert message in str(exit_info.value.code)
+
+
+def test_missing_train_config_is_a_one_line_error(capsys):
+    assert main(["train", "--config", "no/such/config.py"]) == 2
+    assert capsys.readouterr().err == "dspark train: error: no config file no/such/config.py\n"
+
+
 def test_threshold_policy_needs_a_confidence_head():
     from dspark_jax.config import DrafterConfig
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
