@@ -152,8 +152,6 @@ def cmd_generate(args) -> int:
 
     if not args.prompt:
         raise SystemExit("--prompt is empty")
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.policy is not None and args.drafter is None:
         raise SystemExit("--policy needs --drafter")
     policy = parse_policy_arg(args.policy)
@@ -202,12 +200,6 @@ def cmd_bench(args) -> int:
     from dspark_jax.drafters import DEFAULT
     from dspark_jax.eval.compare import Comparison, make_decoder, read_prompts_jsonl, summarize
 
-    if args.prompts is not None and args.prompts < 1:
-        raise SystemExit(f"--prompts must be >= 1, got {args.prompts}")
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     policy = parse_policy_arg(args.policy)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.prompts_file:
@@ -261,8 +253,6 @@ def cmd_demo(args) -> int:
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
     from dspark_jax.drafters import DEFAULT, is_shipped
 
-    if args.max_new_tokens < 1:
-        raise SystemExit(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     start = time.perf_counter()
     target, tokenizer = load_target(None)
     print(f"embedded target: SmolLM2-135M-Instruct, {target.num_params / 1e6:.1f}M parameters, "
@@ -345,8 +335,6 @@ def cmd_profile(args) -> int:
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.scheduler.profile import profile_round_costs, save_cost_tables
 
-    if any(b < 1 for b in args.batch) or any(w < 1 for w in args.widths) or args.repeats < 1:
-        raise SystemExit("--batch values, --widths values and --repeats must be >= 1")
     check_drafter_arg(args.drafter)
     target, _ = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
@@ -370,8 +358,6 @@ def cmd_calibrate(args) -> int:
     from dspark_jax.training import calibrate
     from dspark_jax.training.data import MIX, build_prompts
 
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        raise SystemExit("--prompts and --max-new-tokens must be >= 1")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
     directory = Path(args.out_dir) if args.out_dir else resolve_drafter(args.drafter)[1]
@@ -414,6 +400,14 @@ def cmd_train(args) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts and sizes: an int >= 1, or a one-line usage error."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 DRAFTER_HELP = "a shipped drafter name (smollm2_135m_dspark, _dflash, _eagle3) or a drafter checkpoint directory"
 POLICY_HELP = ("verify lengths: fixed:K (K drafts per round), threshold:X (confidence >= X), scheduler (Algorithm 1 "
                "over a cost table profiled at start) or scheduler:PROFILE.json (from dspark profile); "
@@ -427,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a few real prompts on the embedded target")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     # The scheduler (profiled on this machine, STS-calibrated, with plain rounds) beat the best
     # hand-picked threshold (0.4) on every domain measured, with nothing tuned (docs/BENCHMARKS.md).
     demo.add_argument("--policy", default="scheduler", help=POLICY_HELP.split("; default")[0] + "; default scheduler")
@@ -436,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from one prompt")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -449,15 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="target-only vs speculative decoding on the same prompts (B=1)")
     bench.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: smollm2_135m_dspark)")
     bench.add_argument("--policy", default=None, help=POLICY_HELP)
-    bench.add_argument("--prompts", type=int, default=None, help="how many prompts (default: all)")
+    bench.add_argument("--prompts", type=positive_int, default=None, help="how many prompts (default: all)")
     bench.add_argument("--prompts-file", default=None,
                        help='jsonl, one {"turns": [...]} per line, first turn used (default: the demo prompts)')
-    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.add_argument("--max-new-tokens", type=positive_int, default=64)
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must then be identical)")
     bench.add_argument("--top-k", type=int, default=0, help="0 = off")
     bench.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
+    bench.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)
 
     conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory")
@@ -467,19 +461,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")
     prof.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
-    prof.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
-    prof.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8; the full-block width γ + 1 is always added)")
-    prof.add_argument("--max-len", type=int, default=256, help="cache length to time with (default 256)")
-    prof.add_argument("--repeats", type=int, default=10, help="timed rounds per width; the median counts")
+    prof.add_argument("--batch", type=positive_int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
+    prof.add_argument("--widths", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8; the full-block width γ + 1 is always added)")
+    prof.add_argument("--max-len", type=positive_int, default=256, help="cache length to time with (default 256)")
+    prof.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per width; the median counts")
     prof.add_argument("--out", required=True, help="JSON cost table to write")
     prof.set_defaults(func=cmd_profile)
 
     cal = sub.add_parser("calibrate", help="fit the confidence head's calibration on held-out prompts")
     cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
-    cal.add_argument("--prompts", type=int, default=48, help="held-out prompts to decode (default 48)")
+    cal.add_argument("--prompts", type=positive_int, default=48, help="held-out prompts to decode (default 48)")
     cal.add_argument("--data-seed", type=int, default=1000,
                      help="seed of the generated prompt mix (default 1000; no shipped drafter trained on it)")
-    cal.add_argument("--max-new-tokens", type=int, default=96)
+    cal.add_argument("--max-new-tokens", type=positive_int, default=96)
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = calibrate for greedy decoding")
     cal.add_argument("--top-k", type=int, default=0)
     cal.add_argument("--top-p", type=float, default=1.0)

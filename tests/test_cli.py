@@ -143,24 +143,24 @@ def test_bad_drafter_or_policy_is_a_one_line_error(extra, message, monkeypatch, 
     assert message in text and "\n" not in text
 
 
-@pytest.mark.parametrize("command", ["generate", "demo"])
-def test_no_new_tokens_is_a_one_line_error(command):
-    with pytest.raises(SystemExit) as exit_info:
-        main([command, "--prompt", "Hi", "--max-new-tokens", "0"] if command == "generate" else [command, "--max-new-tokens", "0"])
-    assert str(exit_info.value.code) == "--max-new-tokens must be >= 1, got 0"
-
-
 @pytest.mark.parametrize(
-    "argv, message",
+    "argv",
     [
-        (["profile", "--widths", "0", "4", "--out", "costs.json"], "--widths values"),
-        (["profile", "--batch", "0", "--out", "costs.json"], "--batch values"),
+        ["generate", "--prompt", "Hi", "--max-new-tokens", "0"],
+        ["demo", "--max-new-tokens", "0"],
+        ["bench", "--prompts", "0"],
+        ["calibrate", "--max-new-tokens", "0"],
+        ["profile", "--batch", "1", "0", "--out", "costs.json"],
+        ["profile", "--widths", "0", "4", "--out", "costs.json"],
+        ["profile", "--repeats", "0", "--out", "costs.json"],
     ],
 )
-def test_bad_profile_arguments_are_a_one_line_error(argv, message):
+def test_counts_below_one_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert message in str(exit_info.value.code)
+    flag = next(a for a in argv if a.startswith("--") and a not in ("--prompt", "--out"))
+    assert exit_info.value.code == 2
+    assert f"error: argument {flag}: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_missing_train_config_is_a_one_line_error(capsys):
