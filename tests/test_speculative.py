@@ -44,6 +44,8 @@ def test_greedy_equals_target_only_with_a_random_drafter(real, k):
     assert alone.tokens[0] == reference.tokens[2]
     assert set(batched.verify_widths) <= {1, 2, 4, 8}
     assert all((lengths == k).all() for lengths in batched.verify_lengths)
+    # fixed:0 drafts once (plain rounds reuse that block's shapes), then steps the target alone.
+    assert batched.plain_rounds == (batched.rounds - 1 if k == 0 else 0)
 
 
 class OracleDecoder(SpeculativeDecoder):

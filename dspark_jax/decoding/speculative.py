@@ -48,9 +48,14 @@ from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 @dataclasses.dataclass(frozen=True)
 class FixedPolicy:
-    """Verify ``k`` drafted tokens every round (0 = plain target decoding)."""
+    """Verify ``k`` drafted tokens every round (0 = plain target decoding: after the first round,
+    whose block the plain rounds reuse for its shapes, the drafter does not run)."""
 
     k: int
+
+    @property
+    def drafts(self) -> bool:
+        return self.k > 0
 
     def __post_init__(self):
         if self.k < 0:
@@ -385,20 +390,21 @@ class SpeculativeDecoder:
         draft_s = verify_s = 0.0
         # Plain rounds: after a drafted round whose drafts did not beat not drafting at all, the
         # next ``skip`` rounds are target steps without a draft (ℓ = 0, decided before they
-        # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS.
+        # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS. A policy
+        # that never verifies a draft (fixed:0) runs plain rounds after the first.
         skip = plain_left = plain_rounds = 0
         no_drafts = jnp.zeros((batch,), jnp.int32)
         block = None
         while active.any():
             t_draft = time.perf_counter()
             active_j = jnp.asarray(active)
-            drafting = plain_left == 0
+            drafting = plain_left == 0 and (block is None or getattr(self.policy, "drafts", True))
             if drafting:
                 block, lengths, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
                 lengths_np = np.asarray(lengths)  # waits for the draft call
                 width = self.width_for(int(lengths_np[active].max()))
             else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
-                plain_left, plain_rounds = plain_left - 1, plain_rounds + 1
+                plain_left, plain_rounds = max(plain_left - 1, 0), plain_rounds + 1
                 lengths, lengths_np, width = no_drafts, np.zeros(batch, np.int32), self.verify_widths[0]
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
