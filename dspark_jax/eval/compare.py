@@ -76,10 +76,10 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     ``None`` keeps the decoder's default. ``fixed:K`` with K past the drafter's block size γ is an
     error (it cannot verify drafts that are never proposed). Threshold and scheduler policies need
     a confidence head; drafters without one (DFlash, EAGLE-3) verify the whole block instead
-    (``fixed:γ``). A
-    scheduler policy without calibrations gets the drafter's from ``directory/calibration.json``
-    (``training.calibrate``; each request is served by the one for its own sampling); when none
-    serves ``sampling`` (default greedy) the note says that it runs on the raw confidences.
+    (``fixed:γ``). A scheduler policy without calibrations gets the drafter's from
+    ``directory/calibration.json`` (``training.calibrate``; each request is served by the one for
+    its own sampling); when none serves ``sampling`` (default greedy) the note says that it runs
+    on the raw confidences.
     """
     import dataclasses
 
