@@ -1,31 +1,46 @@
-"""Shared fixtures: the embedded target is loaded once per test session (~6 s).
+"""Shared fixtures: the embedded target is loaded once per test process (~6 s).
 
 Many tests build a fresh decoder or training step for the same target and shapes, and each
-fresh ``jax.jit`` would compile again. A persistent compilation cache, new for every test
-process (each pytest-xdist worker has its own, and nothing carries over between runs), lets the
-repeats load the executable instead; the subprocesses the CLI tests start inherit it through
-the environment. Compile counters still see every executable (JAX reports a cache hit as a
-compilation), so the no-recompilation tests keep their meaning.
+fresh ``jax.jit`` would compile again (seconds each for the 30 unrolled layers). A persistent
+compilation cache, new for every run (nothing carries over between runs), lets the repeats load
+the executable instead. The process that starts the run makes it; the pytest-xdist workers and
+the subprocesses some tests start inherit it through the environment, so what one worker
+compiled the other loads. JAX locks the directory once a size limit is set, which keeps one
+process from reading an entry another is still writing. Compile counters still see every
+executable (JAX reports a cache hit as a compilation), so the no-recompilation tests keep their
+meaning.
+
+``built_once_per_run`` does the same for an expensive result on disk: one worker builds it and
+the others reuse it.
 """
 
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="dspark-jax-test-xla-cache-")
+_SHARED_CACHE_VARIABLE = "DSPARK_TEST_XLA_CACHE"
+_OWNS_CACHE = _SHARED_CACHE_VARIABLE not in os.environ  # the run's first process: pytest itself
+if _OWNS_CACHE:
+    os.environ[_SHARED_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="dspark-jax-test-xla-cache-")
+_COMPILATION_CACHE = os.environ[_SHARED_CACHE_VARIABLE]
+_CACHE_MAX_BYTES = 16 << 30  # a limit turns on JAX's file lock; a test run writes well under it
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
 
 
 def pytest_configure(config):
     import jax
 
     jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+    jax.config.update("jax_compilation_cache_max_size", _CACHE_MAX_BYTES)
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+    if _OWNS_CACHE:
+        shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +49,28 @@ def embedded_target():
     from dspark_jax.checkpoints.gguf import load_embedded_target
 
     return load_embedded_target()
+
+
+@pytest.fixture(scope="session")
+def built_once_per_run(tmp_path_factory, worker_id):
+    """``built_once_per_run(name, build)``: the directory ``build(directory)`` filled, built once
+    for the whole test run rather than once per pytest-xdist worker (pytest-xdist's recipe): the
+    first worker to ask builds under a file lock in the run's shared temporary directory, the
+    others wait and reuse it. For results the tests only read."""
+    from filelock import FileLock
+
+    def built(name: str, build) -> Path:
+        if worker_id == "master":  # no workers: the run's own temporary directory
+            directory = tmp_path_factory.mktemp(name) / "result"
+            build(directory)
+            return directory
+        shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+        directory, done = shared / name, shared / f"{name}.done"
+        with FileLock(str(shared / f"{name}.lock")):
+            if not done.exists():  # a worker that failed leaves no mark: the next one retries
+                shutil.rmtree(directory, ignore_errors=True)
+                build(directory)
+                done.touch()
+        return directory
+
+    return built

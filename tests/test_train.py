@@ -70,11 +70,14 @@ class SkewedClock:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """`dspark train --config configs/tiny_test.py`, run once for the module."""
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    assert cli_main(["train", "--config", str(TINY), "--out-dir", str(out)]) == 0
-    return out
+def tiny_run(built_once_per_run):
+    """`dspark train --config configs/tiny_test.py`, run once for the test run (the tests only
+    read its directory)."""
+
+    def train_tiny(out):
+        assert cli_main(["train", "--config", str(TINY), "--out-dir", str(out)]) == 0
+
+    return built_once_per_run("tiny_run", train_tiny)
 
 
 @pytest.fixture(scope="module")
