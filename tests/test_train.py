@@ -650,15 +650,17 @@ def test_init_from_a_config_trains_that_leg_first(tmp_path, tiny_parts):
 
 def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     """The same steps on a 1-device and an 8-device mesh (simulated CPU devices, fresh process),
-    from a cache with features and from one of token ids alone."""
+    from a cache with features and from one of token ids alone; and the batch stays split by
+    rows: neither the target's forward over token ids nor the step gathers rows across devices."""
     config, _, _ = tiny_parts
     script = textwrap.dedent(f"""
-        import dataclasses, json, sys
+        import dataclasses, json, re, sys
         import jax
+        import numpy as np
         assert len(jax.devices()) == 8, jax.devices()
         from dspark_jax.checkpoints.gguf import load_embedded_target
         from dspark_jax.training.target_cache import load_target_cache
-        from dspark_jax.training.train import LOG_FILE, load_config, train
+        from dspark_jax.training.train import LOG_FILE, Trainer, load_config, train
         config = load_config({str(TINY)!r})
         config = dataclasses.replace(config, cache_dir={str(config.cache_path)!r}, steps=3, batch_size=8)
         target = load_embedded_target()[0].truncated(config.target_layers)
@@ -672,14 +674,26 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
                 run = dataclasses.replace(base, out_dir=sys.argv[1] + f"/{{name}}{{devices}}", data_parallel=devices)
                 train(run, target, sequences, progress=False)
                 curves[f"{{name}}{{devices}}"] = [json.loads(l)["loss"] for l in open(run.out_dir + "/" + LOG_FILE)]
-        print(json.dumps(curves))
+        trainer = Trainer(dataclasses.replace(online, out_dir=sys.argv[1] + "/hlo", data_parallel=8), target, ids_only)
+        rows = jax.device_put(trainer.source.batch(0), trainer.by_row)
+        batch = trainer.complete(trainer.target_params, rows)
+        programs = {{"complete": trainer.complete.lower(trainer.target_params, rows),
+                    "step": trainer.step_fn.lower(trainer.params, trainer.opt_state, trainer.rest, batch,
+                                                  trainer.embed, trainer.head, np.float32(1e-3))}}
+        gathers = {{name: len(re.findall(r" all-gather(?:-start)?\\(", lowered.compile().as_text()))
+                   for name, lowered in programs.items()}}
+        print(json.dumps({{"curves": curves, "all_gathers": gathers}}))
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     out_dir = Path(config.out_dir).parent / "dp"
     result = subprocess.run([sys.executable, "-c", script, str(out_dir)], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    curves = {k: np.asarray(v) for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    # Each device works on its own rows: gathering them everywhere would repeat the target's
+    # forward (and its [S, V] logsumexp) for the whole batch on every device.
+    assert report["all_gathers"] == {"complete": 0, "step": 0}, report["all_gathers"]
+    curves = {k: np.asarray(v) for k, v in report["curves"].items()}
     assert len(curves["cached1"]) == 3
     # Same math, different reduction order across devices: float32 rounding only.
     np.testing.assert_allclose(curves["cached8"], curves["cached1"], rtol=1e-5)

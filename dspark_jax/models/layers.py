@@ -110,11 +110,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def write_cache(cache_BxSxKxD: jax.Array, new_BxTxKxD: jax.Array, positions_BxT: jax.Array):
-    """Write new rows at per-row positions; writes past the cache end are dropped."""
-    rows = jnp.broadcast_to(jnp.arange(cache_BxSxKxD.shape[0])[:, None], positions_BxT.shape)
-    return cache_BxSxKxD.at[rows, positions_BxT].set(
-        new_BxTxKxD.astype(cache_BxSxKxD.dtype), mode="drop"
-    )
+    """Write new rows at per-row positions; writes past the cache end are dropped.
+
+    Mapped over rows so that the scatter's row dimension is a batching dimension: a batch split
+    across devices then writes each row's cache where it lives. Indexing with a row-index array
+    instead makes XLA's partitioner gather every row's keys onto every device."""
+
+    def write_row(cache_SxKxD, new_TxKxD, positions_T):
+        return cache_SxKxD.at[positions_T].set(new_TxKxD.astype(cache_SxKxD.dtype), mode="drop")
+
+    return jax.vmap(write_row)(cache_BxSxKxD, new_BxTxKxD, positions_BxT)
 
 
 def cached_attention(

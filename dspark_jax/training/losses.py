@@ -62,9 +62,11 @@ def _label_indices(anchors: jnp.ndarray, gamma: int) -> jnp.ndarray:
 
 
 def _gather_along_seq(values_BxSx: jnp.ndarray, idx_BxAxG: jnp.ndarray) -> jnp.ndarray:
-    """``values[b, idx[b, a, g], ...]`` -> ``[B, A, G, ...]``, indices clamped into the sequence."""
+    """``values[b, idx[b, a, g], ...]`` -> ``[B, A, G, ...]``, indices clamped into the sequence.
+    Mapped over rows, so that a batch split across devices by rows gathers on each device (a
+    row-index array would make XLA's partitioner gather every row's indices everywhere)."""
     idx = jnp.clip(idx_BxAxG, 0, values_BxSx.shape[1] - 1)
-    return values_BxSx[jnp.arange(values_BxSx.shape[0])[:, None, None], idx]
+    return jax.vmap(lambda values_Sx, idx_AxG: values_Sx[idx_AxG])(values_BxSx, idx)
 
 
 def block_label_mask(

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
+from einops import rearrange
 from tqdm.auto import tqdm
 
 from dspark_jax.config import SamplingConfig
@@ -112,11 +113,20 @@ def stored_arrays(target: TargetModel, params, taps_BxSxF):
     hidden = target.module(params).final_norm(final).astype(jnp.bfloat16)
     _, head = target.embedding_and_head(params)
 
-    def row_lse(hidden_SxD):  # one row at a time: [S, V] logits, not [B, S, V]
-        logits = project(hidden_SxD.astype(head.dtype), head).astype(jnp.float32)
+    def chunk_lse(hidden_BxLxD):
+        logits = project(hidden_BxLxD.astype(head.dtype), head).astype(jnp.float32)
         return jax.nn.logsumexp(logits, axis=-1)
 
-    return features.astype(jnp.bfloat16), hidden, jax.lax.map(row_lse, hidden)
+    # One row's worth of logits at a time ([B, S/B, V], not [B, S, V]), in chunks along the
+    # sequence: every chunk keeps all B rows, so a batch split across devices by rows stays split
+    # (a loop over rows would gather them all onto every device).
+    batch, length, _ = hidden.shape
+    chunk = -(-length // batch)
+    chunks = -(-length // chunk)
+    padded = jnp.pad(hidden, ((0, 0), (0, chunks * chunk - length), (0, 0)))
+    by_chunk = rearrange(padded, "b (n l) d -> n b l d", l=chunk)
+    lse = rearrange(jax.lax.map(chunk_lse, by_chunk), "n b l -> b (n l)")[:, :length]
+    return features.astype(jnp.bfloat16), hidden, lse
 
 
 def cache_taps(target: TargetModel, tap_layers: tuple[int, ...]) -> tuple[int, ...]:
