@@ -701,3 +701,75 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     # Before any update, token ids give the cache's loss (test_training_on_token_ids_...); after
     # it, features a bf16 step apart here and there make the two runs drift apart slowly.
     np.testing.assert_allclose(curves["online1"][0], curves["cached1"][0], rtol=1e-5)
+
+
+def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_rows(tmp_path):
+    """The target cache written on an 8-device mesh (simulated CPU devices, fresh process) holds
+    the 1-device cache's answers, and its arrays to float rounding; the compiled prefill, decode
+    step and stored-array pass have no collective at all (sampling included: ``lax.top_k`` on a
+    row-split batch would gather every row's logits everywhere); a batch that cannot split is
+    refused by name."""
+    script = textwrap.dedent("""
+        import json, re, sys
+        import jax, jax.numpy as jnp
+        import numpy as np
+        from jax.sharding import Mesh
+        assert len(jax.devices()) == 8, jax.devices()
+        from dspark_jax.sampling import SamplingParams, request_keys
+        from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
+        from tests.tiny import tiny_target
+        # A vocabulary above TOP_CANDIDATES, so top-k/top-p take their partial-sort path.
+        target = tiny_target(vocab_size=300)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, 300, size=n).tolist() for n in rng.integers(3, 24, size=12)]
+        names = [f"p{i}" for i in range(12)]
+        spec = CacheSpec(tap_layers=(0, 1), max_new_tokens=16, max_prompt_tokens=32, temperature=0.7,
+                         top_p=0.8, top_k=20, shard_size=6, batch_size=8, min_response_tokens=1)
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        writers = {name: TargetCacheWriter(target, spec, sys.argv[1] + "/" + name, stop_ids=[2], mesh=m)
+                   for name, m in (("one", None), ("eight", mesh))}
+        caches = {}
+        for name, writer in writers.items():
+            writer.build(prompts, names, progress=False)
+            caches[name] = [{k: np.asarray(getattr(s, k), np.float32).tolist() for k in ("input_ids", "features", "hidden", "lse")}
+                            for s in load_target_cache(writer.dir)]
+        g = writers["eight"].generator
+        cache = g.new_cache(8, writers["eight"].max_len)
+        params, keys, tokens, lens = g.on_rows((SamplingParams.broadcast(spec.sampling, 8), request_keys(range(8)),
+                                                jnp.zeros((8, 32), jnp.int32), jnp.ones((8,), jnp.int32)))
+        taps = g.on_rows(jnp.zeros((writers["eight"].store_rows, 3 * target.cfg.hidden_size)))
+        programs = {"prefill": g._prefill.lower(g.params, cache, tokens, lens, keys, params),
+                    "decode": g._decode_step.lower(g.params, cache, tokens[:, 0], lens > 0, lens, keys, params),
+                    "stored": writers["eight"].stored_arrays.lower(g.params, taps)}
+        pattern = r" (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\\("
+        collectives = {k: len(re.findall(pattern, p.compile().as_text())) for k, p in programs.items()}
+        errors = []
+        for attempt in (lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
+                                                  stop_ids=[2], mesh=mesh),
+                        lambda: g.generate(prompts[:3], max_new_tokens=4)):
+            try:
+                attempt()
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({"caches": caches, "collectives": collectives, "errors": errors}))
+    """).replace("dataclasses_replace", "__import__('dataclasses').replace")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["collectives"] == {"prefill": 0, "decode": 0, "stored": 0}, report["collectives"]
+    one, eight = report["caches"]["one"], report["caches"]["eight"]
+    assert len(one) == len(eight) == 12
+    for a, b in zip(one, eight):
+        # Per-request seeds: a request's answer does not depend on how its batch is split.
+        assert a["input_ids"] == b["input_ids"]
+        # Each device multiplies its own rows: float32 sums round differently, then bf16 storage.
+        for name in ("features", "hidden"):
+            got, want = np.asarray(b[name]), np.asarray(a[name])
+            assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
+        np.testing.assert_allclose(b["lse"], a["lse"], atol=1e-3)
+    not_divisible, not_split = report["errors"]
+    assert not_divisible is not None and "batch_size 6 is not divisible by the mesh's 8" in not_divisible
+    assert not_split is not None and "a batch of 3 requests does not split" in not_split

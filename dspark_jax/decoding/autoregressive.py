@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
@@ -148,20 +149,41 @@ class AutoregressiveGenerator:
     outputs at every position of prompt + answer (``GenerationResult.taps``), as the forwards that
     produced the answer computed them: what a target cache stores, without a second pass over the
     finished sequences.
+
+    ``mesh`` (a ``jax.sharding.Mesh`` with a ``data`` axis) splits every batch across its devices
+    by rows, the weights replicated: each device generates for its own rows, and the batch size
+    must be a multiple of the axis size. A request's tokens do not depend on the split.
     """
 
-    def __init__(self, target: SpeculativeTarget, *, step_width: int = 1, tap_layers: Sequence[int] = ()):
+    def __init__(
+        self, target: SpeculativeTarget, *, step_width: int = 1, tap_layers: Sequence[int] = (),
+        mesh: Mesh | None = None,
+    ):
         if step_width < 1:
             raise ValueError(f"step_width must be >= 1, got {step_width}")
+        if mesh is not None and "data" not in mesh.axis_names:
+            raise ValueError(f"the mesh needs a 'data' axis to split rows over, got axes {mesh.axis_names}")
         self.target, self.step_width = target, step_width
         self.tap_layers = tuple(int(i) for i in tap_layers)
+        self.mesh = mesh
+        self._by_row = None if mesh is None else NamedSharding(mesh, PartitionSpec("data"))
+        if mesh is None:
+            self.params, self._new_cache = target.params, target.new_cache
+        else:
+            self.params = jax.device_put(target.params, NamedSharding(mesh, PartitionSpec()))
+            # Made in place on the mesh: a batch's cache may not fit on one device.
+            self._new_cache = jax.jit(target.new_cache, static_argnums=(0, 1), out_shardings=self._by_row)
         taps = self.tap_layers
+        # Sampling is per row, so on a mesh each device samples its own rows: XLA cannot split
+        # ``lax.top_k`` by rows and would gather every row's logits onto every device.
+        row_sample = sample if mesh is None else jax.shard_map(
+            sample, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data"))
 
         def prefill(params, cache, tokens_BxP, prompt_lens_B, keys_B, sampling):
             out = target.apply(
                 params, tokens_BxP, cache, n_new_B=prompt_lens_B, logits_at_B=prompt_lens_B - 1, tap_layers=taps
             )
-            first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
+            first = row_sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
             return first, out.cache, out.taps
 
         def decode_step(params, cache, tokens_B, active_B, step_B, keys_B, sampling):
@@ -181,24 +203,36 @@ class AutoregressiveGenerator:
                 out = target.apply(params, padded, cache, n_new_B=active_B.astype(jnp.int32), tap_layers=taps)
                 logits = out.logits[:, 0]
             # The fed token's taps (an inactive row's too: its position is still its cache length).
-            return sample(logits, sampling, step_keys(keys_B, step_B)), out.cache, out.taps[:, 0]
+            return row_sample(logits, sampling, step_keys(keys_B, step_B)), out.cache, out.taps[:, 0]
 
         # The cache is donated: every layer's K/V buffer is updated in place.
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
         self._decode_step = jax.jit(decode_step, donate_argnums=(1,))
 
+    def on_rows(self, tree):
+        """Per-request arrays (leading axis = batch) where the generator runs them: split by rows
+        across the mesh, or as they are without one."""
+        return tree if self._by_row is None else jax.device_put(tree, self._by_row)
+
+    def new_cache(self, batch: int, max_len: int):
+        if self.mesh is not None and batch % self.mesh.shape["data"]:
+            raise ValueError(
+                f"a batch of {batch} requests does not split over the mesh's {self.mesh.shape['data']} "
+                "data-parallel devices; pass a multiple of that many"
+            )
+        return self._new_cache(batch, max_len)
+
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
         """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent."""
         start = time.perf_counter()
-        cache = self.target.new_cache(batch, max_len)
-        params = SamplingParams.broadcast(SamplingConfig(), batch)
-        keys = request_keys(range(batch))
-        lens = jnp.ones((batch,), jnp.int32)
-        token_B, cache, _ = self._prefill(
-            self.target.params, cache, jnp.zeros((batch, bucket(prompt_len)), jnp.int32), lens, keys, params
-        )
-        active = jnp.ones((batch,), bool)
-        token_B, cache, _ = self._decode_step(self.target.params, cache, token_B, active, lens, keys, params)
+        cache = self.new_cache(batch, max_len)
+        params, keys, lens, tokens = self.on_rows((
+            SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
+            jnp.ones((batch,), jnp.int32), jnp.zeros((batch, bucket(prompt_len)), jnp.int32),
+        ))
+        token_B, cache, _ = self._prefill(self.params, cache, tokens, lens, keys, params)
+        active = self.on_rows(jnp.ones((batch,), bool))
+        token_B, cache, _ = self._decode_step(self.params, cache, token_B, active, lens, keys, params)
         jax.block_until_ready(token_B)
         return time.perf_counter() - start
 
@@ -235,14 +269,15 @@ class AutoregressiveGenerator:
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
         requests.check_fits(max_new_tokens, self.slack, max_len)
-        params, keys, lens = requests.params, requests.keys_B, requests.lens
+        lens = requests.lens
         stops = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
-        cache = self.target.new_cache(batch, max_len)
+        cache = self.new_cache(batch, max_len)
+        params, keys, tokens_BxP, lens_B = self.on_rows((
+            requests.params, requests.keys_B, jnp.asarray(requests.padded_BxP), jnp.asarray(lens, jnp.int32),
+        ))
 
         start = time.perf_counter()
-        token_B, cache, prompt_taps = self._prefill(
-            self.target.params, cache, jnp.asarray(requests.padded_BxP), jnp.asarray(lens, jnp.int32), keys, params
-        )
+        token_B, cache, prompt_taps = self._prefill(self.params, cache, tokens_BxP, lens_B, keys, params)
         token_np = np.asarray(token_B)
         prefill_s = time.perf_counter() - start
         out: list[list[int]] = [[] for _ in range(batch)]
@@ -272,10 +307,8 @@ class AutoregressiveGenerator:
                 on_step(token_np)
             if not active.any():
                 break
-            step_B = jnp.asarray([len(t) for t in out], jnp.int32)
-            token_B, cache, step_taps = self._decode_step(
-                self.target.params, cache, token_B, jnp.asarray(active), step_B, keys, params
-            )
+            step_B, active_B = self.on_rows((jnp.asarray([len(t) for t in out], jnp.int32), jnp.asarray(active)))
+            token_B, cache, step_taps = self._decode_step(self.params, cache, token_B, active_B, step_B, keys, params)
             if taps is not None:
                 record_taps(step_taps)
             token_np = np.asarray(token_B)
@@ -283,10 +316,8 @@ class AutoregressiveGenerator:
         if taps is not None:
             # The last rows to finish have their last token fed by no step yet: one more forward,
             # which commits nothing (every row inactive).
-            _, _, step_taps = self._decode_step(
-                self.target.params, cache, token_B, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32),
-                keys, params,
-            )
+            idle_B, zeros_B = self.on_rows((jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32)))
+            _, _, step_taps = self._decode_step(self.params, cache, token_B, idle_B, zeros_B, keys, params)
             record_taps(step_taps)
             taps = [np.concatenate(parts) for parts in taps]
         decode_s = time.perf_counter() - start

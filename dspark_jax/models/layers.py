@@ -109,6 +109,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def take_per_row(values_BxSx: jax.Array, index_Bx: jax.Array) -> jax.Array:
+    """``values[b, index[b, ...], ...]``: each row's own positions, ``index`` of shape ``[B]`` or
+    ``[B, ...]``. Mapped over rows for the reason ``write_cache`` gives."""
+    return jax.vmap(lambda values_Sx, index_x: values_Sx[index_x])(values_BxSx, index_Bx)
+
+
 def write_cache(cache_BxSxKxD: jax.Array, new_BxTxKxD: jax.Array, positions_BxT: jax.Array):
     """Write new rows at per-row positions; writes past the cache end are dropped.
 

@@ -30,6 +30,7 @@ from dspark_jax.models.layers import (
     project,
     rope_cos_sin,
     rope_inverse_frequencies,
+    take_per_row,
 )
 
 
@@ -109,7 +110,7 @@ class Transformer(nnx.Module):
 
         x = self.final_norm(x)
         if logits_at_B is not None:
-            x = x[jnp.arange(batch), logits_at_B]
+            x = take_per_row(x, logits_at_B)
         head = self.embed if self.lm_head is None else self.lm_head.weight
         logits = project(x, head[...]).astype(jnp.float32)
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.eval.metrics import expected_tau
-from dspark_jax.models.layers import project
+from dspark_jax.models.layers import project, take_per_row
 
 # Names of the three loss terms, in combination order.
 TERMS = ("ce", "tv", "conf")
@@ -62,11 +62,8 @@ def _label_indices(anchors: jnp.ndarray, gamma: int) -> jnp.ndarray:
 
 
 def _gather_along_seq(values_BxSx: jnp.ndarray, idx_BxAxG: jnp.ndarray) -> jnp.ndarray:
-    """``values[b, idx[b, a, g], ...]`` -> ``[B, A, G, ...]``, indices clamped into the sequence.
-    Mapped over rows, so that a batch split across devices by rows gathers on each device (a
-    row-index array would make XLA's partitioner gather every row's indices everywhere)."""
-    idx = jnp.clip(idx_BxAxG, 0, values_BxSx.shape[1] - 1)
-    return jax.vmap(lambda values_Sx, idx_AxG: values_Sx[idx_AxG])(values_BxSx, idx)
+    """``values[b, idx[b, a, g], ...]`` -> ``[B, A, G, ...]``, indices clamped into the sequence."""
+    return take_per_row(values_BxSx, jnp.clip(idx_BxAxG, 0, values_BxSx.shape[1] - 1))
 
 
 def block_label_mask(

@@ -47,6 +47,7 @@ import ml_dtypes
 import numpy as np
 import safetensors.numpy
 from einops import rearrange
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dspark_jax.config import SamplingConfig
@@ -155,14 +156,25 @@ STORE_ROWS = 512
 class TargetCacheWriter:
     """Builds (or resumes) a target cache for a list of tokenized prompts."""
 
-    def __init__(self, target: TargetModel, spec: CacheSpec, out_dir, *, stop_ids: Sequence[int]):
+    def __init__(self, target: TargetModel, spec: CacheSpec, out_dir, *, stop_ids: Sequence[int],
+                 mesh: Mesh | None = None):
+        """``mesh`` (a ``data`` axis) splits every batch of answers, and the stored arrays, across
+        its devices by rows; ``spec.batch_size`` must be a multiple of its size."""
         target.cfg.check_tap_layers(spec.tap_layers)
         self.target, self.spec, self.dir = target, spec, Path(out_dir)
         self.stop_ids = tuple(int(s) for s in stop_ids)
         # The answers' own forwards give the stored arrays: no second pass over the sequences.
         taps = cache_taps(target, spec.tap_layers) if spec.store_features else ()
-        self.generator = AutoregressiveGenerator(target, tap_layers=taps)
-        self.stored_arrays = jax.jit(lambda params, taps_NxF: stored_arrays(target, params, taps_NxF[None]))
+        self.generator = AutoregressiveGenerator(target, tap_layers=taps, mesh=mesh)
+        devices = 1 if mesh is None else mesh.shape["data"]
+        if spec.batch_size % devices:
+            raise ValueError(f"CacheSpec.batch_size {spec.batch_size} is not divisible by the mesh's "
+                             f"{devices} data-parallel devices")
+        # Each device turns a contiguous block of the tokens into stored arrays, as one row.
+        self.store_rows = -(-STORE_ROWS // devices) * devices
+        self.stored_arrays = jax.jit(lambda params, taps_NxF: jax.tree.map(
+            lambda x: rearrange(x, "b n ... -> (b n) ..."),
+            stored_arrays(target, params, rearrange(taps_NxF, "(b n) f -> b n f", b=devices))))
         # One decode cache length for every batch: the decode step compiles once.
         self.max_len = cache_len([spec.max_prompt_tokens], spec.max_new_tokens, target.cfg.max_position_embeddings)
 
@@ -296,12 +308,12 @@ class TargetCacheWriter:
     def _stored(self, taps: list[np.ndarray]) -> list[tuple]:
         """``stored_arrays`` of each sequence's taps, computed over all of them in fixed-size row
         chunks (one compiled shape, no padding to the longest sequence)."""
-        flat = np.concatenate(taps)
-        rows = -(-len(flat) // STORE_ROWS) * STORE_ROWS
+        flat, size = np.concatenate(taps), self.store_rows
+        rows = -(-len(flat) // size) * size
         flat = np.concatenate([flat, np.zeros((rows - len(flat), flat.shape[1]), flat.dtype)])
-        chunks = [jax.device_get(self.stored_arrays(self.target.params, flat[lo : lo + STORE_ROWS]))
-                  for lo in range(0, rows, STORE_ROWS)]
-        features, hidden, lse = (np.concatenate([c[k][0] for c in chunks]) for k in range(3))
+        chunks = [jax.device_get(self.stored_arrays(self.generator.params, self.generator.on_rows(flat[lo : lo + size])))
+                  for lo in range(0, rows, size)]
+        features, hidden, lse = (np.concatenate([c[k] for c in chunks]) for k in range(3))
         bounds = np.cumsum([0] + [len(t) for t in taps])
         return [(features[a:b], hidden[a:b], lse[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 

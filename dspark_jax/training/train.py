@@ -3,7 +3,8 @@
 ``run(config)`` is the whole pipeline behind ``dspark train --config configs/NAME.py``:
 
 1. build the prompt mix (``training/data.py``), render it with the target's chat template;
-2. build or resume the target cache (``training/target_cache.py``);
+2. build or resume the target cache (``training/target_cache.py``), its answers generated on the
+   same mesh as training, each device answering its own rows;
 3. pick the reduced draft vocabulary from the cached responses' token counts;
 4. train with AdamW (warm-up + cosine to 0, global-norm clipping; spec §5.5) on a
    ``jax.sharding.Mesh`` whose ``data`` axis splits every batch across devices (parameters are
@@ -447,7 +448,8 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
         if progress:
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
-    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id])
+    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id],
+                               mesh=make_mesh(config.data_parallel))
     writer.build(ids, names, progress=progress, num_shards=config.cache_shards, deadline=deadline)
     return _within_cache_shards(config, names)
 
@@ -495,10 +497,13 @@ def build_heldout_cache(config: TrainConfig, target, tokenizer, *, prompts=None,
     the first ``config.heldout_prompts`` that fit), cached like the training set's (resumable)."""
     ids, names = render_prompts(config, heldout_prompts(config) if prompts is None else prompts, tokenizer)
     ids, names = ids[: config.heldout_prompts], names[: config.heldout_prompts]
-    # Small shards, and no batch wider than one (an accelerator config's 512 rows would be padding).
+    # Small shards, and no batch wider than one (an accelerator config's 512 rows would be padding)
+    # beyond a row per device.
+    mesh = make_mesh(config.data_parallel)
     shard = min(config.cache.shard_size, 16)
-    spec = dataclasses.replace(config.cache, shard_size=shard, batch_size=min(config.cache.batch_size, shard))
-    TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id]).build(
+    batch = -(-min(config.cache.batch_size, shard) // mesh.size) * mesh.size
+    spec = dataclasses.replace(config.cache, shard_size=shard, batch_size=batch)
+    TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id], mesh=mesh).build(
         ids, names, progress=progress)
     sequences = load_target_cache(config.heldout_cache_path)
     if len(sequences) < config.batch_size:
