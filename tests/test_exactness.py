@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ import pytest
 
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+from tests.multidevice import run_on_eight_devices
 from tests.prompts import random_drafter
 
 GAMMA = 7
@@ -144,3 +146,40 @@ def test_shipped_dspark_drafter_is_exact_and_accepts_drafts(setup):
     strict = SpeculativeDecoder(target, drafter, strict=True)
     assert strict.generate(batch, max_new_tokens=48).tokens == strict.reference_generator().generate(
         batch, max_new_tokens=48).tokens
+
+
+@pytest.mark.slow
+def test_shipped_drafter_on_eight_devices_is_exact_and_equals_one_device():
+    """The shipped DSpark drafter with the real target on a mesh of 8 simulated devices (fresh
+    process; a batch of 8 real prompts, one per device): strict greedy output is its target-only
+    reference's on the same mesh and on one device, and sampled output (T = 0.7, top-k 20,
+    top-p 0.8) is the 1-device decoder's, token for token."""
+    script = textwrap.dedent("""
+        import json
+        import jax
+        import numpy as np
+        from jax.sharding import Mesh
+        from dspark_jax.checkpoints.gguf import load_embedded_target
+        from dspark_jax.config import SamplingConfig
+        from dspark_jax.decoding.speculative import SpeculativeDecoder
+        from tests.test_exactness import exactness_prompts, mixed_batches, shipped_drafter
+        target, tokenizer = load_embedded_target()
+        drafter = shipped_drafter("smollm2_135m_dspark", target)
+        prompts = exactness_prompts(tokenizer)
+        batch = [prompts[i] for i in mixed_batches(len(prompts), 8)[0]]
+        sampling = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8)
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        out = {}
+        for name, m in (("one", None), ("eight", mesh)):
+            decoder = SpeculativeDecoder(target, drafter, strict=True, mesh=m)
+            greedy = decoder.generate(batch, max_new_tokens=48)
+            out[name] = {"greedy": greedy.tokens, "tau": greedy.tau,
+                         "reference": decoder.reference_generator().generate(batch, max_new_tokens=48).tokens,
+                         "sampled": decoder.generate(batch, max_new_tokens=48, sampling=sampling, seeds=5).tokens}
+        print(json.dumps(out))
+    """)
+    out = run_on_eight_devices(script)
+    one, eight = out["one"], out["eight"]
+    assert eight["greedy"] == eight["reference"] == one["reference"] == one["greedy"]
+    assert eight["tau"] > 1.1, "the shipped drafter's drafts should be accepted"
+    assert eight["sampled"] == one["sampled"]

@@ -1,6 +1,8 @@
 """Speculative decoding end to end: greedy exactness and stochastic losslessness."""
 
 import dataclasses
+import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from dspark_jax.decoding.speculative import (
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
 from dspark_jax.sampling import SamplingParams
+from tests.multidevice import run_on_eight_devices
 from tests.prompts import mixed_prompts, random_drafter
 from tests.tiny import sharp_tiny_target
 
@@ -241,3 +244,91 @@ def test_a_broken_acceptance_rule_fails_the_same_test(tiny, monkeypatch):
     freq, _ = sampled_first_two(decoder, [3, 1, 4], config, n)
     stat, dof = chi2(freq, exact_first_two(target, [3, 1, 4], config), n)
     assert stat > 2 * (dof + 3.1 * np.sqrt(2 * dof) + 5), (stat, dof)
+
+
+# ------------------------------------------------------------------------------------------
+# data parallel: a batch split by rows across devices
+
+
+def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_verifies_its_own_rows():
+    """``SpeculativeDecoder(mesh=...)`` on 8 simulated devices (fresh process) emits the 1-device
+    decoder's tokens, round for round, for a batch of greedy and sampled requests, with a fixed
+    policy and with the scheduler (whose choice weighs the whole batch: decided per device it
+    would verify more, see below); its compiled prefill, draft and verify have no collective,
+    the scheduler's draft only ones over the ``[B, γ]`` survivals; a batch that cannot split is
+    refused by name."""
+    script = textwrap.dedent("""
+        import json
+        import jax, jax.numpy as jnp
+        import numpy as np
+        from flax import nnx
+        from jax.sharding import Mesh
+        assert len(jax.devices()) == 8, jax.devices()
+        from dspark_jax.config import DrafterConfig, SamplingConfig
+        from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, stop_id_array
+        from dspark_jax.drafter.model import Drafter
+        from dspark_jax.sampling import SamplingParams, request_keys
+        from dspark_jax.scheduler.prefix import SchedulerPolicy
+        from tests.multidevice import collectives
+        from tests.tiny import sharp_tiny_target
+        target = sharp_tiny_target()
+        drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5,
+                                                   block_size=3, markov_rank=4), rngs=nnx.Rngs(1))
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(1, 12, size=n).tolist() for n in rng.integers(2, 12, size=16)]
+        sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 8
+        # Over the batch of 16 a second draft is not worth a width-4 round; over one device's 2 rows it is.
+        scheduler = SchedulerPolicy.from_tables({16: {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.02}})
+        mesh = Mesh(np.asarray(jax.devices()), ("data",))
+        decoders = {name: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3), verify_widths=(1, 2, 4), mesh=m)
+                    for name, m in (("one", None), ("eight", mesh))}
+        runs = {}
+        for name, decoder in decoders.items():
+            for policy, d in (("fixed", decoder), ("scheduler", decoder.with_policy(scheduler))):
+                r = d.generate(prompts, max_new_tokens=24, sampling=sampling, seeds=7, stop_ids=[2], max_len=48)
+                runs[f"{policy}-{name}"] = {"tokens": r.tokens, "widths": r.verify_widths,
+                                            "lengths": [x.tolist() for x in r.verify_lengths],
+                                            "accepted": [x.tolist() for x in r.accepted_per_round]}
+        d = decoders["eight"]
+        params, keys, active, lengths, tokens, lens = d.rows.on_rows((
+            SamplingParams.from_configs(sampling), request_keys(range(16)), jnp.ones((16,), bool),
+            jnp.zeros((16,), jnp.int32), jnp.ones((16, 16), jnp.int32), jnp.full((16,), 3, jnp.int32)))
+        _, state = d.prefill(16, 48, np.ones((16, 16), np.int32), [3] * 16, keys, params)
+        block, _, _ = d._draft(d.params, d.drafter_state, state, keys, params, active)
+        programs = {
+            "prefill": d._prefill.lower(d.params, d.drafter_state, d._new_cache(16, 48),
+                                        d._new_context(16, 48, jnp.float32), tokens, lens, keys, params),
+            "draft": d._draft.lower(d.params, d.drafter_state, state, keys, params, active),
+            "verify": d._verify.lower(d.params, d.drafter_state, state, block, lengths, keys, params, active,
+                                      stop_id_array([2]), width=4),
+            "scheduler draft": d.with_policy(scheduler)._draft.lower(d.params, d.drafter_state, state, keys, params, active),
+        }
+        found = {name: collectives(p) for name, p in programs.items()}
+        errors = []
+        for attempt in (lambda: d.generate(prompts[:3], max_new_tokens=4),
+                        lambda: SpeculativeDecoder(target, drafter, mesh=Mesh(np.asarray(jax.devices()), ("model",)))):
+            try:
+                attempt()
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        print(json.dumps({"runs": runs, "collectives": found, "errors": errors}))
+    """)
+    report = run_on_eight_devices(script)
+    runs, found = report["runs"], report["collectives"]
+    for policy in ("fixed", "scheduler"):
+        # Per-request seeds and per-row steps: a request's tokens do not depend on the split.
+        assert runs[f"{policy}-eight"] == runs[f"{policy}-one"], policy
+    fixed, scheduled = runs["fixed-one"], runs["scheduler-one"]
+    assert sum(map(sum, fixed["accepted"])) > 0, "the random drafter should get drafts accepted on a 12-token vocab"
+    assert {ell for r in fixed["lengths"] for ell in r} == {3}
+    # The batch-wide choice: one draft per row (two rows' worth of survivals would buy the width-4 round).
+    assert {ell for r in scheduled["lengths"] for ell in r} == {1}
+    assert {k: len(v) for k, v in found.items() if k != "scheduler draft"} == {"prefill": 0, "draft": 0, "verify": 0}, found
+    # The scheduler's sort over every row's survivals: collectives of at most B·γ = 48 numbers.
+    sizes = [int(np.prod([int(n) for n in dims.split(",") if n])) for line in found["scheduler draft"]
+             for dims in re.findall(r"\[([\d,]*)\]", line.split(" all-")[0])]
+    assert sizes and max(sizes) <= 48, found["scheduler draft"]
+    not_split, no_data_axis = report["errors"]
+    assert not_split is not None and "a batch of 3 requests does not split over the mesh's 8" in not_split
+    assert no_data_axis is not None and "needs a 'data' axis" in no_data_axis

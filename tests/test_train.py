@@ -2,9 +2,6 @@
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -45,6 +42,7 @@ from dspark_jax.training.train import (
     train,
     train_together,
 )
+from tests.multidevice import run_on_eight_devices
 from tests.tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -655,10 +653,11 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     rows: neither the target's forward over token ids nor the step gathers rows across devices."""
     config, _, _ = tiny_parts
     script = textwrap.dedent(f"""
-        import dataclasses, json, re, sys
+        import dataclasses, json, sys
         import jax
         import numpy as np
         assert len(jax.devices()) == 8, jax.devices()
+        from tests.multidevice import collectives
         from dspark_jax.checkpoints.gguf import load_embedded_target
         from dspark_jax.training.target_cache import load_target_cache
         from dspark_jax.training.train import LOG_FILE, Trainer, load_config, train
@@ -681,16 +680,11 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
         programs = {{"complete": trainer.complete.lower(trainer.target_params, rows),
                     "step": trainer.step_fn.lower(trainer.params, trainer.opt_state, trainer.rest, batch,
                                                   trainer.embed, trainer.head, np.float32(1e-3))}}
-        gathers = {{name: len(re.findall(r" all-gather(?:-start)?\\(", lowered.compile().as_text()))
+        gathers = {{name: sum(" all-gather" in line for line in collectives(lowered))
                    for name, lowered in programs.items()}}
         print(json.dumps({{"curves": curves, "all_gathers": gathers}}))
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out_dir = Path(config.out_dir).parent / "dp"
-    result = subprocess.run([sys.executable, "-c", script, str(out_dir)], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_eight_devices(script, str(Path(config.out_dir).parent / "dp"))
     # Each device works on its own rows: gathering them everywhere would repeat the target's
     # forward (and its [S, V] logsumexp) for the whole batch on every device.
     assert report["all_gathers"] == {"complete": 0, "step": 0}, report["all_gathers"]
@@ -711,11 +705,12 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
     row-split batch would gather every row's logits everywhere); a batch that cannot split is
     refused by name."""
     script = textwrap.dedent("""
-        import json, re, sys
+        import json, sys
         import jax, jax.numpy as jnp
         import numpy as np
         from jax.sharding import Mesh
         assert len(jax.devices()) == 8, jax.devices()
+        from tests.multidevice import collectives
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
         from tests.tiny import tiny_target
@@ -742,8 +737,7 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         programs = {"prefill": g._prefill.lower(g.params, cache, tokens, lens, keys, params),
                     "decode": g._decode_step.lower(g.params, cache, tokens[:, 0], lens > 0, lens, keys, params),
                     "stored": writers["eight"].stored_arrays.lower(g.params, taps)}
-        pattern = r" (?:all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\\("
-        collectives = {k: len(re.findall(pattern, p.compile().as_text())) for k, p in programs.items()}
+        counts = {k: len(collectives(p)) for k, p in programs.items()}
         errors = []
         for attempt in (lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
                                                   stop_ids=[2], mesh=mesh),
@@ -753,13 +747,9 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
                 errors.append(None)
             except ValueError as e:
                 errors.append(str(e))
-        print(json.dumps({"caches": caches, "collectives": collectives, "errors": errors}))
+        print(json.dumps({"caches": caches, "collectives": counts, "errors": errors}))
     """).replace("dataclasses_replace", "__import__('dataclasses').replace")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_on_eight_devices(script, str(tmp_path))
     assert report["collectives"] == {"prefill": 0, "decode": 0, "stored": 0}, report["collectives"]
     one, eight = report["caches"]["one"], report["caches"]["eight"]
     assert len(one) == len(eight) == 12

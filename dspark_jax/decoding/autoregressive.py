@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig
+from dspark_jax.decoding.rows import RowSplit
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
@@ -161,29 +162,18 @@ class AutoregressiveGenerator:
     ):
         if step_width < 1:
             raise ValueError(f"step_width must be >= 1, got {step_width}")
-        if mesh is not None and "data" not in mesh.axis_names:
-            raise ValueError(f"the mesh needs a 'data' axis to split rows over, got axes {mesh.axis_names}")
         self.target, self.step_width = target, step_width
         self.tap_layers = tuple(int(i) for i in tap_layers)
-        self.mesh = mesh
-        self._by_row = None if mesh is None else NamedSharding(mesh, PartitionSpec("data"))
-        if mesh is None:
-            self.params, self._new_cache = target.params, target.new_cache
-        else:
-            self.params = jax.device_put(target.params, NamedSharding(mesh, PartitionSpec()))
-            # Made in place on the mesh: a batch's cache may not fit on one device.
-            self._new_cache = jax.jit(target.new_cache, static_argnums=(0, 1), out_shardings=self._by_row)
+        self.rows = RowSplit(mesh)
+        self.params = self.rows.replicate(target.params)
+        self._new_cache = self.rows.allocate(target.new_cache, num_static=2)
         taps = self.tap_layers
-        # Sampling is per row, so on a mesh each device samples its own rows: XLA cannot split
-        # ``lax.top_k`` by rows and would gather every row's logits onto every device.
-        row_sample = sample if mesh is None else jax.shard_map(
-            sample, mesh=mesh, in_specs=PartitionSpec("data"), out_specs=PartitionSpec("data"))
 
         def prefill(params, cache, tokens_BxP, prompt_lens_B, keys_B, sampling):
             out = target.apply(
                 params, tokens_BxP, cache, n_new_B=prompt_lens_B, logits_at_B=prompt_lens_B - 1, tap_layers=taps
             )
-            first = row_sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
+            first = sample(out.logits, sampling, step_keys(keys_B, jnp.zeros_like(prompt_lens_B)))
             return first, out.cache, out.taps
 
         def decode_step(params, cache, tokens_B, active_B, step_B, keys_B, sampling):
@@ -203,23 +193,17 @@ class AutoregressiveGenerator:
                 out = target.apply(params, padded, cache, n_new_B=active_B.astype(jnp.int32), tap_layers=taps)
                 logits = out.logits[:, 0]
             # The fed token's taps (an inactive row's too: its position is still its cache length).
-            return row_sample(logits, sampling, step_keys(keys_B, step_B)), out.cache, out.taps[:, 0]
+            return sample(logits, sampling, step_keys(keys_B, step_B)), out.cache, out.taps[:, 0]
 
         # The cache is donated: every layer's K/V buffer is updated in place.
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode_step = jax.jit(decode_step, donate_argnums=(1,))
+        self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0,)), donate_argnums=(1,))
+        self._decode_step = jax.jit(self.rows.per_row(decode_step, replicated=(0,)), donate_argnums=(1,))
 
     def on_rows(self, tree):
-        """Per-request arrays (leading axis = batch) where the generator runs them: split by rows
-        across the mesh, or as they are without one."""
-        return tree if self._by_row is None else jax.device_put(tree, self._by_row)
+        """Per-request arrays (leading axis = batch) where the generator runs them."""
+        return self.rows.on_rows(tree)
 
     def new_cache(self, batch: int, max_len: int):
-        if self.mesh is not None and batch % self.mesh.shape["data"]:
-            raise ValueError(
-                f"a batch of {batch} requests does not split over the mesh's {self.mesh.shape['data']} "
-                "data-parallel devices; pass a multiple of that many"
-            )
         return self._new_cache(batch, max_len)
 
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:

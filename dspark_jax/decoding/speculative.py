@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import (
@@ -39,6 +41,7 @@ from dspark_jax.decoding.autoregressive import (
     cache_len,
     prepare_requests,
 )
+from dspark_jax.decoding.rows import RowSplit
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
@@ -144,18 +147,27 @@ def prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, ke
     return first, state
 
 
-def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B):
-    """The drafter's block after each anchor, the policy's verify lengths (0 for inactive rows)
-    and the confidence logits they came from (``None`` for a drafter without a head)."""
+def propose_step(target, drafter, params, state, keys_B, sampling):
+    """The drafter's block after each anchor and its confidence logits (``None`` for a drafter
+    without a head): per row, unlike the policy, which may weigh the whole batch."""
     gamma = drafter.cfg.block_size
     embed, lm_head = target.embedding_and_head(params)
     round_keys = step_keys(keys_B, 2 * state.round_B + 1)
     slot_keys = jax.vmap(lambda k: jax.random.split(k, gamma))(round_keys)
-    block, confidence = drafter.propose(
-        embed, lm_head, state.context, state.anchor_B, sampling, slot_keys
-    )
+    return drafter.propose(embed, lm_head, state.context, state.anchor_B, sampling, slot_keys)
+
+
+def choose_lengths(policy, confidence, gamma: int, active_B, sampling) -> jax.Array:
+    """The policy's verify length per row, 0 for inactive rows."""
     lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B, sampling), active_B.shape)
-    return block, jnp.where(active_B, lengths, 0), confidence
+    return jnp.where(active_B, lengths, 0)
+
+
+def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B):
+    """The drafter's block after each anchor, the policy's verify lengths (0 for inactive rows)
+    and the confidence logits they came from (``None`` for a drafter without a head)."""
+    block, confidence = propose_step(target, drafter, params, state, keys_B, sampling)
+    return block, choose_lengths(policy, confidence, drafter.cfg.block_size, active_B, sampling), confidence
 
 
 def verify_step(target, drafter, params, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
@@ -236,6 +248,13 @@ class SpeculativeDecoder:
     forwards of that same width), whatever the drafter. The default picks the cheapest width per
     round, and can differ from plain target-only greedy decoding on exact near-ties
     (``docs/EXACTNESS.md``).
+
+    ``mesh`` (a ``jax.sharding.Mesh`` with a ``data`` axis) splits every batch across its devices
+    by rows, target and drafter weights replicated: each device drafts and verifies its own rows
+    (``decoding.rows``), the batch size a multiple of the axis size. The verify width and the
+    policy's lengths stay batch-wide (one program per round; the scheduler weighs every row
+    against the cost of a round of the whole batch, so profile it on the same mesh). A request's
+    tokens do not depend on the split.
     """
 
     def __init__(
@@ -246,9 +265,11 @@ class SpeculativeDecoder:
         policy=FixedPolicy(7),
         verify_widths: Sequence[int] = (1, 2, 4, 8),
         strict: bool = False,
+        mesh: Mesh | None = None,
     ):
         drafter.cfg.check_target(target.cfg)
         self.target, self.cfg, self.strict = target, drafter.cfg, strict
+        self.rows = RowSplit(mesh)
         gamma = self.cfg.block_size
         self.verify_widths = tuple(sorted(set(int(w) for w in verify_widths if w >= 1)))
         if not self.verify_widths or self.verify_widths[-1] < gamma + 1:
@@ -259,8 +280,10 @@ class SpeculativeDecoder:
             # reference generator steps with.
             self.verify_widths = (next(w for w in self.verify_widths if w >= gamma + 1),)
         self._feature_dtype = feature_dtype(target)
-        self.drafter_graph, self.drafter_state = nnx.split(drafter)
-        self._new_context = drafter.new_context
+        self.drafter_graph, drafter_state = nnx.split(drafter)
+        self.params, self.drafter_state = self.rows.replicate((target.params, drafter_state))
+        self._new_cache = self.rows.allocate(target.new_cache, num_static=2)
+        self._new_context = self.rows.allocate(drafter.new_context, num_static=3)
         graph = self.drafter_graph
 
         def prefill(params, drafter_state, cache, context, tokens_BxP, lens_B, keys_B, sampling):
@@ -274,8 +297,12 @@ class SpeculativeDecoder:
                 active_B, stop_ids, width=width,
             )
 
-        self._prefill = jax.jit(prefill, donate_argnums=(2, 3))
-        self._verify = jax.jit(verify_commit, static_argnames=("width",), donate_argnames=("state",))
+        def verify_at(params, drafter_state, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
+            step = self.rows.per_row(functools.partial(verify_commit, width=width), replicated=(0, 1, 8))
+            return step(params, drafter_state, state, block, lengths_B, keys_B, sampling, active_B, stop_ids)
+
+        self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0, 1)), donate_argnums=(2, 3))
+        self._verify = jax.jit(verify_at, static_argnames=("width",), donate_argnames=("state",))
         self._set_policy(policy)
 
     def _set_policy(self, policy) -> None:
@@ -289,8 +316,14 @@ class SpeculativeDecoder:
             check_widths(self.verify_widths)
         target, graph = self.target, self.drafter_graph
 
+        def propose(params, drafter_state, state, keys_B, sampling):
+            return propose_step(target, nnx.merge(graph, drafter_state), params, state, keys_B, sampling)
+
+        propose = self.rows.per_row(propose, replicated=(0, 1))
+
         def draft(params, drafter_state, state, keys_B, sampling, active_B):
-            return draft_step(target, nnx.merge(graph, drafter_state), policy, params, state, keys_B, sampling, active_B)
+            block, confidence = propose(params, drafter_state, state, keys_B, sampling)
+            return block, choose_lengths(policy, confidence, gamma, active_B, sampling), confidence
 
         self.policy = policy
         self._draft = jax.jit(draft)
@@ -308,23 +341,18 @@ class SpeculativeDecoder:
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
         """Compile prefill, draft and every verify width for these shapes; returns seconds."""
         start = time.perf_counter()
-        params = SamplingParams.broadcast(SamplingConfig(), batch)
-        keys = request_keys(range(batch))
         # Host arrays go through the same numpy -> device conversions as in generate().
-        active = jnp.asarray(np.ones(batch, bool))
-        _, state = self._prefill(
-            self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            self._new_context(batch, max_len, self._feature_dtype),
-            jnp.asarray(np.zeros((batch, bucket(prompt_len)), np.int32)),
-            jnp.asarray([1] * batch, jnp.int32), keys, params,
-        )
+        params, keys, active, lengths = self.rows.on_rows((
+            SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
+            jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
+        ))
+        state = self.prefill(batch, max_len, np.zeros((batch, bucket(prompt_len)), np.int32), [1] * batch, keys, params)[1]
         for width in self.verify_widths:
-            block, _, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active)
+            block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active)
             if self._worth_drafting is not None:
                 self._worth_drafting(confidence, active, params)
-            lengths = jnp.zeros((batch,), jnp.int32)
             _, state = self._verify(
-                self.target.params, self.drafter_state, state, block, lengths, keys, params, active,
+                self.params, self.drafter_state, state, block, lengths, keys, params, active,
                 stop_id_array(()), width=width,
             )
         jax.block_until_ready(state)
@@ -334,7 +362,17 @@ class SpeculativeDecoder:
         """Target-only decoding that this decoder's greedy output equals token for token in
         strict mode (steps as wide as the verify forward, the same cache length: a ``max_len``
         passed by hand must be passed to both, since the cache length is part of the shape)."""
-        return AutoregressiveGenerator(self.target, step_width=self.verify_widths[-1] if self.strict else 1)
+        return AutoregressiveGenerator(
+            self.target, step_width=self.verify_widths[-1] if self.strict else 1, mesh=self.rows.mesh)
+
+    def prefill(self, batch: int, max_len: int, padded_BxP, lens, keys_B, sampling):
+        """Prefill a fresh cache and drafter context: ``(first token per row, DecodeState)``.
+        ``keys_B`` and ``sampling`` are already on rows (``self.rows.on_rows``)."""
+        tokens, lens = self.rows.on_rows((jnp.asarray(padded_BxP, jnp.int32), jnp.asarray(lens, jnp.int32)))
+        return self._prefill(
+            self.params, self.drafter_state, self._new_cache(batch, max_len),
+            self._new_context(batch, max_len, self._feature_dtype), tokens, lens, keys_B, sampling,
+        )
 
     @property
     def slack(self) -> int:
@@ -365,15 +403,11 @@ class SpeculativeDecoder:
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
         requests.check_fits(max_new_tokens, self.slack, max_len)
-        params, keys = requests.params, requests.keys_B
+        params, keys = self.rows.on_rows((requests.params, requests.keys_B))
         stops = stop_id_array(stop_ids)
 
         start = time.perf_counter()
-        first, state = self._prefill(
-            self.target.params, self.drafter_state, self.target.new_cache(batch, max_len),
-            self._new_context(batch, max_len, self._feature_dtype),
-            jnp.asarray(requests.padded_BxP), jnp.asarray(requests.lens, jnp.int32), keys, params,
-        )
+        first, state = self.prefill(batch, max_len, requests.padded_BxP, requests.lens, keys, params)
         first = np.asarray(first)
         prefill_s = time.perf_counter() - start
 
@@ -393,14 +427,14 @@ class SpeculativeDecoder:
         # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS. A policy
         # that never verifies a draft (fixed:0) runs plain rounds after the first.
         skip = plain_left = plain_rounds = 0
-        no_drafts = jnp.zeros((batch,), jnp.int32)
+        no_drafts = self.rows.on_rows(jnp.zeros((batch,), jnp.int32))
         block = None
         while active.any():
             t_draft = time.perf_counter()
-            active_j = jnp.asarray(active)
+            active_j = self.rows.on_rows(jnp.asarray(active))
             drafting = plain_left == 0 and (block is None or getattr(self.policy, "drafts", True))
             if drafting:
-                block, lengths, confidence = self._draft(self.target.params, self.drafter_state, state, keys, params, active_j)
+                block, lengths, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active_j)
                 lengths_np = np.asarray(lengths)  # waits for the draft call
                 width = self.width_for(int(lengths_np[active].max()))
             else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
@@ -409,7 +443,7 @@ class SpeculativeDecoder:
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
             verdict, state = self._verify(
-                self.target.params, self.drafter_state, state, block, lengths, keys, params,
+                self.params, self.drafter_state, state, block, lengths, keys, params,
                 active_j, stops, width=width,
             )
             if drafting and self._worth_drafting is not None:

@@ -65,26 +65,22 @@ def profile_round_costs(
     if isinstance(decoder.policy, SchedulerPolicy):  # it may have no table yet; its own work (a sort) is negligible
         decoder = decoder.with_policy(FixedPolicy(decoder.cfg.block_size))
     target = decoder.target
-    params = SamplingParams.broadcast(sampling or SamplingConfig(), batch)
-    keys = request_keys(range(seed, seed + batch))
-    active = jnp.asarray(np.ones(batch, bool))
-    lengths = jnp.zeros((batch,), jnp.int32)
+    params, keys, active, lengths = decoder.rows.on_rows((
+        SamplingParams.broadcast(sampling or SamplingConfig(), batch), request_keys(range(seed, seed + batch)),
+        jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
+    ))
     stops = stop_id_array(())
     prompts = np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, bucket(prompt_len)), dtype=np.int32)
-    _, state = decoder._prefill(
-        target.params, decoder.drafter_state, target.new_cache(batch, max_len),
-        decoder._new_context(batch, max_len, decoder._feature_dtype),
-        jnp.asarray(prompts), jnp.full((batch,), prompt_len, jnp.int32), keys, params,
-    )
+    _, state = decoder.prefill(batch, max_len, prompts, [prompt_len] * batch, keys, params)
     times = {w: [] for w in (PLAIN, *widths)}
     block = None
     for repeat in range(repeats + 1):
         for width in times:
             start = time.perf_counter()
             if width != PLAIN or block is None:
-                block, _, _ = decoder._draft(target.params, decoder.drafter_state, state, keys, params, active)
+                block, _, _ = decoder._draft(decoder.params, decoder.drafter_state, state, keys, params, active)
             _, state = decoder._verify(
-                target.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
+                decoder.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
                 width=widths[0] if width == PLAIN else width,
             )
             jax.block_until_ready(state)
