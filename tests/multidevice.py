@@ -25,3 +25,15 @@ def run_on_eight_devices(script: str, *args: str) -> dict:
 def collectives(lowered) -> list[str]:
     """The cross-device collectives in a lowered program once compiled: one line of HLO each."""
     return [line.strip() for line in lowered.compile().as_text().splitlines() if COLLECTIVE.search(line)]
+
+
+def value_errors(*attempts) -> list[str | None]:
+    """Each call's ``ValueError`` message, or None where it raised none."""
+    messages = []
+    for attempt in attempts:
+        try:
+            attempt()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages

@@ -269,7 +269,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         from dspark_jax.drafter.model import Drafter
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
-        from tests.multidevice import collectives
+        from tests.multidevice import collectives, value_errors
         from tests.tiny import sharp_tiny_target
         target = sharp_tiny_target()
         drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5,
@@ -304,14 +304,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
             "scheduler draft": d.with_policy(scheduler)._draft.lower(d.params, d.drafter_state, state, keys, params, active),
         }
         found = {name: collectives(p) for name, p in programs.items()}
-        errors = []
-        for attempt in (lambda: d.generate(prompts[:3], max_new_tokens=4),
-                        lambda: SpeculativeDecoder(target, drafter, mesh=Mesh(np.asarray(jax.devices()), ("model",)))):
-            try:
-                attempt()
-                errors.append(None)
-            except ValueError as e:
-                errors.append(str(e))
+        errors = value_errors(lambda: d.generate(prompts[:3], max_new_tokens=4),
+                              lambda: SpeculativeDecoder(target, drafter, mesh=Mesh(np.asarray(jax.devices()), ("model",))))
         print(json.dumps({"runs": runs, "collectives": found, "errors": errors}))
     """)
     report = run_on_eight_devices(script)

@@ -710,7 +710,7 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         import numpy as np
         from jax.sharding import Mesh
         assert len(jax.devices()) == 8, jax.devices()
-        from tests.multidevice import collectives
+        from tests.multidevice import collectives, value_errors
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
         from tests.tiny import tiny_target
@@ -738,15 +738,9 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
                     "decode": g._decode_step.lower(g.params, cache, tokens[:, 0], lens > 0, lens, keys, params),
                     "stored": writers["eight"].stored_arrays.lower(g.params, taps)}
         counts = {k: len(collectives(p)) for k, p in programs.items()}
-        errors = []
-        for attempt in (lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
-                                                  stop_ids=[2], mesh=mesh),
-                        lambda: g.generate(prompts[:3], max_new_tokens=4)):
-            try:
-                attempt()
-                errors.append(None)
-            except ValueError as e:
-                errors.append(str(e))
+        errors = value_errors(lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
+                                                        stop_ids=[2], mesh=mesh),
+                              lambda: g.generate(prompts[:3], max_new_tokens=4))
         print(json.dumps({"caches": caches, "collectives": counts, "errors": errors}))
     """).replace("dataclasses_replace", "__import__('dataclasses').replace")
     report = run_on_eight_devices(script, str(tmp_path))
