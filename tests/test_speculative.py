@@ -255,8 +255,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     decoder's tokens, round for round, for a batch of greedy and sampled requests, with a fixed
     policy and with the scheduler (whose choice weighs the whole batch: decided per device it
     would verify more, see below); its compiled prefill, draft and verify have no collective,
-    the scheduler's draft only ones over the ``[B, γ]`` survivals; a batch that cannot split is
-    refused by name."""
+    the scheduler's draft only ones over the ``[B, γ]`` survivals; the scheduler's cost table can
+    be profiled on the mesh; a batch that cannot split is refused by name."""
     script = textwrap.dedent("""
         import json
         import jax, jax.numpy as jnp
@@ -269,6 +269,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         from dspark_jax.drafter.model import Drafter
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
+        from dspark_jax.scheduler.profile import profile_round_costs
         from tests.multidevice import collectives, value_errors
         from tests.tiny import sharp_tiny_target
         target = sharp_tiny_target()
@@ -304,9 +305,11 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
             "scheduler draft": d.with_policy(scheduler)._draft.lower(d.params, d.drafter_state, state, keys, params, active),
         }
         found = {name: collectives(p) for name, p in programs.items()}
+        # The scheduler's cost table is timed on the decoder it will run on, mesh included.
+        costs = profile_round_costs(d, 16, max_len=48, prompt_len=8, repeats=1)
         errors = value_errors(lambda: d.generate(prompts[:3], max_new_tokens=4),
                               lambda: SpeculativeDecoder(target, drafter, mesh=Mesh(np.asarray(jax.devices()), ("model",))))
-        print(json.dumps({"runs": runs, "collectives": found, "errors": errors}))
+        print(json.dumps({"runs": runs, "collectives": found, "errors": errors, "costs": costs}))
     """)
     report = run_on_eight_devices(script)
     runs, found = report["runs"], report["collectives"]
@@ -323,6 +326,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     sizes = [int(np.prod([int(n) for n in dims.split(",") if n])) for line in found["scheduler draft"]
              for dims in re.findall(r"\[([\d,]*)\]", line.split(" all-")[0])]
     assert sizes and max(sizes) <= 48, found["scheduler draft"]
+    assert sorted(int(w) for w in report["costs"]) == [0, 1, 2, 4] and min(report["costs"].values()) > 0
     not_split, no_data_axis = report["errors"]
     assert not_split is not None and "a batch of 3 requests does not split over the mesh's 8" in not_split
     assert no_data_axis is not None and "needs a 'data' axis" in no_data_axis
