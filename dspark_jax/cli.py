@@ -1,4 +1,4 @@
-"""``dspark`` command line: ``demo``, ``generate``, ``bench``, ``profile``, ``calibrate``, ``convert``, ``train``."""
+"""``dspark`` command line: ``demo``, ``generate``, ``batch``, ``bench``, ``profile``, ``calibrate``, ``convert``, ``train``."""
 
 from __future__ import annotations
 
@@ -184,6 +184,73 @@ def cmd_generate(args) -> int:
         f"{speculative}; compile {compile_s:.1f} s]",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_batch(args) -> int:
+    """Every request of a JSONL file, in batches (split over the devices with --data-parallel),
+    completions appended to a JSONL file as each batch finishes; a rerun resumes a killed job."""
+    import jax
+    import numpy as np
+
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.decoding import batch_job
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+
+    if args.policy is not None and args.drafter is None:
+        raise SystemExit("--policy needs --drafter")
+    mesh = None
+    if args.data_parallel:
+        devices = jax.devices()
+        if args.batch_size % len(devices):
+            raise SystemExit(f"--data-parallel splits each batch over {len(devices)} devices: "
+                             f"--batch-size {args.batch_size} is not a multiple of {len(devices)}")
+        mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    policy = parse_policy_arg(args.policy)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.drafter is not None:
+        check_drafter_arg(args.drafter)
+    job = batch_job.BatchJob(args.input, args.output, {
+        "checkpoint": args.checkpoint, "drafter": args.drafter, "policy": args.policy, "chat": args.chat,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens})
+    target, tokenizer = load_target(args.checkpoint)
+    requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    costs = None
+    if args.drafter is not None:
+        from dspark_jax.eval.compare import make_decoder
+
+        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+        if isinstance(policy, SchedulerPolicy) and job.scheduler_costs:  # a resumed job schedules as it started
+            policy = SchedulerPolicy.from_tables(job.scheduler_costs, policy.calibrations)
+        longest = max(len(r.ids) for r in requests)
+        runner = make_decoder(
+            target, drafter, policy, profile_batches=(args.batch_size,), mesh=mesh,
+            profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
+                                      drafter.cfg.block_size + 1))
+        if isinstance(runner.policy, SchedulerPolicy):
+            costs = {b: dict(table) for b, table in runner.policy.costs}
+            if args.batch_size not in costs:
+                raise SystemExit(f"--policy {args.policy}: the cost table has no batch size {args.batch_size} "
+                                 f"(profiled: {sorted(costs)}); profile it with dspark profile --batch {args.batch_size}")
+        described = _describe(name, drafter, runner)
+    else:
+        runner = AutoregressiveGenerator(target, mesh=mesh)
+        described = "none (target-only decoding)"
+    devices = "" if mesh is None else f", split over {mesh.size} devices"
+    print(f"{len(requests)} requests from {args.input} in batches of {args.batch_size}{devices}; "
+          f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
+    summary = job.run(requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
+                      stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress)
+    resumed = f" ({summary['resumed']} already done)" if summary["resumed"] else ""
+    tau = "" if summary["tau"] is None else f", τ {summary['tau']:.2f}"
+    print(f"wrote {summary['requests']} completions to {args.output}{resumed}: {summary['completion_tokens']} new tokens "
+          f"in {summary['seconds']:.1f} s (compiling included), {summary['tokens_per_s']:.1f} tokens/s{tau}",
+          file=sys.stderr)
     return 0
 
 
@@ -439,6 +506,27 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
     gen.add_argument("--policy", default=None, help=POLICY_HELP)
     gen.set_defaults(func=cmd_generate)
+
+    batch = sub.add_parser("batch", help="generate for every request of a JSONL file, in batches; resumes if killed")
+    batch.add_argument("--input", required=True,
+                       help='JSONL, one request per line: {"prompt": str} or {"messages": [...]} or {"turns": [...]}, '
+                            'optionally "id", "temperature", "top_k", "top_p", "seed", "metadata" (README)')
+    batch.add_argument("--output", required=True,
+                       help="JSONL of completions, appended batch by batch; rerunning the same command resumes it")
+    batch.add_argument("--batch-size", type=positive_int, default=8)
+    batch.add_argument("--data-parallel", action="store_true",
+                       help="split every batch over all of this host's devices (the batch size a multiple of their count)")
+    batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')
+    batch.add_argument("--max-new-tokens", type=positive_int, default=256)
+    batch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; a request's own value wins")
+    batch.add_argument("--top-k", type=int, default=0, help="0 = off")
+    batch.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    batch.add_argument("--seed", type=int, default=0, help="request i samples with seed + i unless it gives its own")
+    batch.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    batch.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
+    batch.add_argument("--policy", default=None, help=POLICY_HELP)
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    batch.set_defaults(func=cmd_batch)
 
     bench = sub.add_parser("bench", help="target-only vs speculative decoding on the same prompts (B=1)")
     bench.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: smollm2_135m_dspark)")

@@ -74,3 +74,21 @@ def built_once_per_run(tmp_path_factory, worker_id):
         return directory
 
     return built
+
+
+@pytest.fixture(scope="session")
+def random_drafter_dir(embedded_target, tmp_path_factory):
+    """An untrained DSpark drafter for the embedded target, saved as a checkpoint directory."""
+    from dspark_jax.checkpoints.drafter import save_drafter
+    from tests.prompts import random_drafter
+
+    drafter = random_drafter(embedded_target[0].cfg)
+    return save_drafter(drafter, tmp_path_factory.mktemp("drafters") / "random_dspark")
+
+
+@pytest.fixture
+def shared_target(monkeypatch, embedded_target):
+    """The CLI and the scripts reuse the session's embedded target instead of loading it again."""
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+    monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: embedded_target)
+    return embedded_target

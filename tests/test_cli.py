@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from dspark_jax.cli import main
-from tests.prompts import random_drafter
 
 FRANCE = ["--prompt", "What is the capital of France?", "--chat", "--max-new-tokens", "8"]
 
@@ -57,23 +56,6 @@ def load_script(name: str):
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     return script
-
-
-@pytest.fixture(scope="module")
-def random_drafter_dir(embedded_target, tmp_path_factory):
-    """An untrained DSpark drafter for the embedded target, saved as a checkpoint directory."""
-    from dspark_jax.checkpoints.drafter import save_drafter
-
-    drafter = random_drafter(embedded_target[0].cfg)
-    return save_drafter(drafter, tmp_path_factory.mktemp("drafters") / "random_dspark")
-
-
-@pytest.fixture
-def shared_target(monkeypatch, embedded_target):
-    """The CLI and the scripts reuse the session's embedded target instead of loading it again."""
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
-    monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: embedded_target)
-    return embedded_target
 
 
 def test_generate_with_drafter_prints_target_text_and_tau(capsys, target_only_france, shared_target,

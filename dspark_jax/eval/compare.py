@@ -104,8 +104,9 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     return policy, None
 
 
-def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1,), profile_max_len: int = 256):
-    """A decoder for ``policy`` (None: the decoder's default).
+def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1,), profile_max_len: int = 256,
+                 mesh=None):
+    """A decoder for ``policy`` (None: the decoder's default), its batches split over ``mesh`` if given.
 
     A fixed policy verifies the same number of drafts every round, so only that one verify width
     is ever used: the decoder gets just it (plus the full-block width it always adds) and its
@@ -126,7 +127,8 @@ def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1
         kwargs["verify_widths"] = (min(policy.k, drafter.cfg.block_size) + 1,)
     if getattr(policy, "widths", None):
         kwargs["verify_widths"] = policy.widths
-    return profiled(SpeculativeDecoder(target, drafter, **kwargs), tuple(profile_batches), max_len=profile_max_len)
+    return profiled(SpeculativeDecoder(target, drafter, mesh=mesh, **kwargs), tuple(profile_batches),
+                    max_len=profile_max_len)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,268 @@
+"""Batch generation jobs: a JSONL file of requests in, a JSONL file of completions out (``dspark batch``).
+
+Input: one JSON object per line, with exactly one of
+  ``"prompt"``    text, tokenized as is (or through the chat template with ``chat=True``),
+  ``"messages"``  a chat, ``[{"role": ..., "content": ...}, ...]``, through the chat template,
+  ``"turns"``     a list of user turns, of which the first is asked (the benchmark files' form),
+and optionally ``"id"`` (a string or int, unique in the file), ``"temperature"``, ``"top_k"``,
+``"top_p"`` and ``"seed"`` (this request's sampling, instead of the job's), and ``"metadata"``
+(anything; copied to the output). Any other key is an error, so that a misspelt option is not
+silently ignored.
+
+Output: one line per request, in input order: ``{"index", "id"?, "completion", "finish_reason",
+"prompt_tokens", "completion_tokens", "metadata"?}``.
+
+The requests run in fixed batches of the input, in order (the last one padded with copies of its
+last request, whose results are dropped, so every batch has one shape and splits over a mesh).
+A request's output depends only on its batch, its seed (``"seed"``, or the job's seed plus its
+index) and, under a scheduler policy, the cost table, so a rerun with the same table reproduces it. Each batch's lines are appended and synced when it finishes;
+the settings and the scheduler's cost table are kept next to the output (``<output>.job.json``). A job that is killed resumes
+where it stopped when run again with the same settings: a half-written last line is cut, the
+batches already written are skipped, and the finished file is byte for byte the one an
+uninterrupted run writes. Different settings, another input or an output file that no job wrote
+are refused rather than mixed into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from dspark_jax.config import SamplingConfig
+
+FORMAT = "dspark-jax-batch-job"
+VERSION = 1
+PROMPT_KEYS = ("prompt", "messages", "turns")
+OPTIONAL_KEYS = ("id", "temperature", "top_k", "top_p", "seed", "metadata")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    index: int  # position among the file's requests (0-based)
+    id: str | int | None
+    ids: list[int]  # prompt token ids
+    sampling: SamplingConfig
+    seed: int
+    metadata: object = None
+
+
+def _prompt_ids(record: dict, where: str, tokenizer, chat: bool) -> list[int]:
+    given = [key for key in PROMPT_KEYS if key in record]
+    if len(given) != 1:
+        raise ValueError(f"{where}: give exactly one of {', '.join(map(repr, PROMPT_KEYS))}"
+                         + (f" (got {', '.join(map(repr, given))})" if given else ""))
+    value = record[given[0]]
+    if given[0] == "prompt":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        if not chat:
+            return tokenizer.encode(value)
+        messages = [{"role": "user", "content": value}]
+    elif given[0] == "turns":
+        if not isinstance(value, list) or not value or not isinstance(value[0], str) or not value[0]:
+            raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+        messages = [{"role": "user", "content": value[0]}]
+    else:
+        if (not isinstance(value, list) or not value
+                or not all(isinstance(m, dict) and set(m) == {"role", "content"}
+                           and isinstance(m["role"], str) and isinstance(m["content"], str) for m in value)):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
+        messages = value
+    return tokenizer.apply_chat_template(messages)
+
+
+def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConfig | None = None,
+                  seed: int = 0) -> list[Request]:
+    """Parse and tokenize every request of a JSONL file; any bad line is a ``ValueError`` naming it.
+    ``sampling`` (default greedy) and ``seed + index`` serve the requests that do not give their own."""
+    sampling = SamplingConfig() if sampling is None else sampling
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"request file {path} does not exist")
+    requests, seen = [], {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: not JSON ({error})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        unknown = sorted(set(record) - set(PROMPT_KEYS) - set(OPTIONAL_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {unknown}; a request has one of {list(PROMPT_KEYS)} and "
+                             f"optionally {list(OPTIONAL_KEYS)} (put your own fields under 'metadata')")
+        request_id = record.get("id")
+        if request_id is not None:
+            if isinstance(request_id, bool) or not isinstance(request_id, (str, int)):
+                raise ValueError(f"{where}: 'id' must be a string or an integer")
+            if request_id in seen:
+                raise ValueError(f"{where}: id {request_id!r} was already used on line {seen[request_id]}")
+            seen[request_id] = number
+        try:
+            own = SamplingConfig(
+                temperature=float(record.get("temperature", sampling.temperature)),
+                top_k=record.get("top_k", sampling.top_k),
+                top_p=float(record.get("top_p", sampling.top_p)),
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
+        request_seed = record.get("seed", seed + len(requests))
+        if isinstance(request_seed, bool) or not isinstance(request_seed, int):
+            raise ValueError(f"{where}: 'seed' must be an integer")
+        ids = _prompt_ids(record, where, tokenizer, chat)
+        if not ids:
+            raise ValueError(f"{where}: the prompt has no tokens")
+        requests.append(Request(len(requests), request_id, ids, own, request_seed, record.get("metadata")))
+    if not requests:
+        raise ValueError(f"{path} holds no requests")
+    return requests
+
+
+def _file_sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _completed(output: Path, num_requests: int) -> set[int]:
+    """Indexes already in ``output``; a half-written last line (a killed write) is cut off."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        with open(output, "r+b") as f:
+            f.truncate(whole)
+    done = set()
+    for number, line in enumerate(data[:whole].decode().splitlines(), 1):
+        try:
+            index = json.loads(line)["index"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{output}:{number} is not a completion this job wrote; "
+                             "write to another output or delete it") from None
+        if not isinstance(index, int) or not 0 <= index < num_requests or index in done:
+            raise ValueError(f"{output}:{number}: index {index!r} is out of range or repeated; "
+                             "write to another output or delete it")
+        done.add(index)
+    return done
+
+
+class BatchJob:
+    """One job: ``input`` (a request file) answered into ``output`` with ``settings``.
+
+    ``settings`` (JSON values: batch size, max new tokens, drafter, policy, sampling, ...) are
+    everything besides the input that decides the outputs. Opening a job whose output already
+    exists checks, before anything is loaded, that it was started with the same input and settings;
+    a job that never wrote its manifest (``<output>.job.json``) is refused as somebody else's file.
+    """
+
+    def __init__(self, input_path, output, settings: dict):
+        self.input_path, self.output = Path(input_path), Path(output)
+        self.manifest_path = self.output.with_name(self.output.name + ".job.json")
+        self.batch_size = settings["batch_size"]
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+        if not self.input_path.is_file():
+            raise FileNotFoundError(f"request file {self.input_path} does not exist")
+        self.manifest = {"format": FORMAT, "version": VERSION, "input": str(self.input_path),
+                         "input_sha256": _file_sha256(self.input_path), "settings": settings}
+        self.started = None  # the manifest of the run that started this job, when resuming
+        if self.manifest_path.exists():
+            self.started = json.loads(self.manifest_path.read_text())
+            if self.started.get("format") != FORMAT:
+                raise ValueError(f"{self.manifest_path} is not a {FORMAT} manifest")
+            was = self.started["settings"]
+            differ = [f"{key}: was {was.get(key)!r}, now {settings.get(key)!r}"
+                      for key in sorted(set(was) | set(settings)) if was.get(key) != settings.get(key)]
+            if self.started.get("input_sha256") != self.manifest["input_sha256"]:
+                differ.insert(0, f"the input file's contents ({self.started.get('input')} then)")
+            if differ:
+                raise ValueError(f"{self.output} belongs to a job with other settings ({'; '.join(differ)}): "
+                                 "rerun it as it was to resume it, or write to another output")
+        elif self.output.exists() and self.output.stat().st_size > 0:
+            raise ValueError(f"{self.output} exists and no batch job wrote it (there is no "
+                             f"{self.manifest_path.name}); write to another output or delete it")
+
+    @property
+    def scheduler_costs(self) -> dict | None:
+        """The cost table the job started with (``{batch: {width: seconds}}``), to schedule a resumed
+        run as it started: a table timed anew would choose other verify lengths."""
+        return None if self.started is None else self.started.get("scheduler_costs")
+
+    def run(self, requests: Sequence[Request], *, runner, decode: Callable[[list[int]], str], max_new_tokens: int,
+            stop_ids: Sequence[int], scheduler_costs: dict | None = None, progress: bool = True) -> dict:
+        """Generate every request not yet in the output with ``runner`` (an ``AutoregressiveGenerator``
+        or ``SpeculativeDecoder``); returns a summary of this run. Every request must fit the target
+        with ``max_new_tokens`` new tokens: that is checked for all of them before anything runs.
+        ``scheduler_costs`` (the scheduler policy's table, if any) goes into the manifest.
+        """
+        from tqdm import tqdm
+
+        runner.rows.check_batch(self.batch_size)
+        for request in requests:
+            try:
+                runner.cache_len_for([len(request.ids)], max_new_tokens)
+            except ValueError as error:
+                name = f" (id {request.id!r})" if request.id is not None else ""
+                raise ValueError(f"request {request.index}{name}: {error}") from None
+        if self.started is None:
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            manifest = {**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs}
+            partial = self.manifest_path.with_name(self.manifest_path.name + ".tmp")
+            partial.write_text(json.dumps(manifest, indent=2) + "\n")
+            os.replace(partial, self.manifest_path)
+            self.output.write_bytes(b"")
+            self.started = manifest
+        done = _completed(self.output, len(requests))
+        resumed = len(done)
+        generated = rounds = accepted = 0
+        start = time.perf_counter()
+        bar = tqdm(total=len(requests), initial=resumed, unit="request", disable=not progress, desc="dspark batch")
+        with open(self.output, "a", encoding="utf-8") as out:
+            for first in range(0, len(requests), self.batch_size):
+                chunk = list(requests[first:first + self.batch_size])
+                missing = [r for r in chunk if r.index not in done]
+                if not missing:
+                    continue
+                padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
+                result = runner.generate(
+                    [r.ids for r in padded], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in padded],
+                    seeds=[r.seed for r in padded], stop_ids=stop_ids,
+                )
+                lines = []
+                for row, request in enumerate(chunk):
+                    if request.index in done:  # written before the job was killed; the rerun is identical
+                        continue
+                    tokens = result.tokens[row]
+                    record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
+                              "completion": decode(tokens), "finish_reason": result.finish_reasons[row],
+                              "prompt_tokens": len(request.ids), "completion_tokens": len(tokens)}
+                    if request.metadata is not None:
+                        record["metadata"] = request.metadata
+                    lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+                    generated += len(tokens)
+                out.write("".join(lines))
+                out.flush()
+                os.fsync(out.fileno())
+                for accepted_B in getattr(result, "accepted_per_round", ()):  # speculative: τ over every row run
+                    rounds, accepted = rounds + len(accepted_B), accepted + int(np.sum(accepted_B))
+                bar.update(len(missing))
+                elapsed = time.perf_counter() - start
+                bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s" + (f", τ {1 + accepted / rounds:.2f}" if rounds else ""))
+        bar.close()
+        elapsed = time.perf_counter() - start
+        return {"requests": len(requests), "resumed": resumed, "completion_tokens": generated, "seconds": elapsed,
+                "tokens_per_s": generated / elapsed if elapsed > 0 else float("nan"),
+                "tau": 1 + accepted / rounds if rounds else None}
