@@ -227,6 +227,7 @@ def cmd_batch(args) -> int:
             print(f"note: {note}", file=sys.stderr)
         if isinstance(policy, SchedulerPolicy) and job.scheduler_costs:  # a resumed job schedules as it started
             policy = SchedulerPolicy.from_tables(job.scheduler_costs, policy.calibrations)
+        # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
         longest = max(len(r.ids) for r in requests)
         runner = make_decoder(
             target, drafter, policy, profile_batches=(args.batch_size,), mesh=mesh,

@@ -573,11 +573,8 @@ def versions() -> dict:
 
 
 def file_sha256(path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -129,11 +129,8 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
 
 
 def _file_sha256(path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _completed(output: Path, num_requests: int) -> set[int]:
