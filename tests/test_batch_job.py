@@ -143,7 +143,7 @@ def test_jobs_refuse_to_mix_settings_inputs_or_other_files(tmp_path, capsys, sha
         main([*base, "--policy", "fixed:3"])
 
 
-def test_a_job_without_requests_or_with_bad_settings_names_them(tmp_path):
+def test_a_batch_size_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         BatchJob(write_requests(tmp_path / "r.jsonl"), tmp_path / "o.jsonl", {"batch_size": 0})
 
