@@ -133,6 +133,10 @@ def test_jobs_refuse_to_mix_settings_inputs_or_other_files(tmp_path, capsys, sha
 
     assert main(["batch", "--input", str(inputs), "--output", str(inputs), "--no-progress"]) == 2
     assert "exists and no batch job wrote it" in capsys.readouterr().err
+    for broken in ("{half", '{"format": "dspark-jax-batch-job"}', "[]"):
+        (tmp_path / "out.jsonl.job.json").write_text(broken)
+        assert main(base) == 2
+        assert "out.jsonl.job.json is not a dspark-jax-batch-job manifest" in capsys.readouterr().err
     assert main(["batch", "--input", str(tmp_path / "missing.jsonl"), "--output", str(output)]) == 2
     assert "missing.jsonl does not exist" in capsys.readouterr().err
 

@@ -177,9 +177,14 @@ class BatchJob:
                          "input_sha256": _file_sha256(self.input_path), "settings": settings}
         self.started = None  # the manifest of the run that started this job, when resuming
         if self.manifest_path.exists():
-            self.started = json.loads(self.manifest_path.read_text())
-            if self.started.get("format") != FORMAT:
-                raise ValueError(f"{self.manifest_path} is not a {FORMAT} manifest")
+            try:
+                self.started = json.loads(self.manifest_path.read_text())
+            except json.JSONDecodeError:
+                self.started = None
+            if not isinstance(self.started, dict) or self.started.get("format") != FORMAT \
+                    or not isinstance(self.started.get("settings"), dict):
+                raise ValueError(f"{self.manifest_path} is not a {FORMAT} manifest; "
+                                 "write to another output or delete it and the output")
             was = self.started["settings"]
             differ = [f"{key}: was {was.get(key)!r}, now {settings.get(key)!r}"
                       for key in sorted(set(was) | set(settings)) if was.get(key) != settings.get(key)]
