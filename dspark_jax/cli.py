@@ -188,8 +188,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_batch(args) -> int:
-    """Every request of a JSONL file, in batches (split over the devices with --data-parallel),
-    completions appended to a JSONL file as each batch finishes; a rerun resumes a killed job."""
+    """Every request of a JSONL file, batched with continuous batching (split over the devices with
+    --data-parallel), completions appended to a JSONL file in input order as they finish; a rerun
+    resumes a killed job."""
     import jax
     import numpy as np
 
@@ -214,7 +215,7 @@ def cmd_batch(args) -> int:
     job = batch_job.BatchJob(args.input, args.output, {
         "checkpoint": args.checkpoint, "drafter": args.drafter, "policy": args.policy, "chat": args.chat,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens})
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches})
     target, tokenizer = load_target(args.checkpoint)
     requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -243,7 +244,8 @@ def cmd_batch(args) -> int:
         runner = AutoregressiveGenerator(target, mesh=mesh)
         described = "none (target-only decoding)"
     devices = "" if mesh is None else f", split over {mesh.size} devices"
-    print(f"{len(requests)} requests from {args.input} in batches of {args.batch_size}{devices}; "
+    batching = "fixed batches" if args.fixed_batches else "continuous batching"
+    print(f"{len(requests)} requests from {args.input}, {batching} of {args.batch_size} rows{devices}; "
           f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
     summary = job.run(requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
                       stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress)
@@ -508,13 +510,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--policy", default=None, help=POLICY_HELP)
     gen.set_defaults(func=cmd_generate)
 
-    batch = sub.add_parser("batch", help="generate for every request of a JSONL file, in batches; resumes if killed")
+    batch = sub.add_parser("batch", help="generate for every request of a JSONL file, continuously batched; resumes if killed")
     batch.add_argument("--input", required=True,
                        help='JSONL, one request per line: {"prompt": str} or {"messages": [...]} or {"turns": [...]}, '
                             'optionally "id", "temperature", "top_k", "top_p", "seed", "metadata" (README)')
     batch.add_argument("--output", required=True,
-                       help="JSONL of completions, appended batch by batch; rerunning the same command resumes it")
+                       help="JSONL of completions in input order, appended as they finish; rerunning the same command resumes it")
     batch.add_argument("--batch-size", type=positive_int, default=8)
+    batch.add_argument("--fixed-batches", action="store_true",
+                       help="run the file in fixed batches, each after the last has finished, instead of refilling "
+                            "a finished request's row at once (continuous batching): slower, but a resumed job "
+                            "redraws nothing, even sampled requests under a threshold or scheduler policy")
     batch.add_argument("--data-parallel", action="store_true",
                        help="split every batch over all of this host's devices (the batch size a multiple of their count)")
     batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')

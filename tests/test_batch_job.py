@@ -56,6 +56,10 @@ def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_sa
     tokenizer = shared_target[1]
     assert got[3]["prompt_tokens"] == len(tokenizer.encode("def fib(n):"))  # "prompt" is raw text without --chat
     assert got[0]["prompt_tokens"] == len(tokenizer.apply_chat_template([REQUESTS[0]["messages"][0]]))
+    # Target-only, a request's tokens do not depend on the requests decoded beside it: fixed
+    # batches write the file continuous batching wrote.
+    batch(inputs, tmp_path / "fixed.jsonl", "--fixed-batches")
+    assert (tmp_path / "fixed.jsonl").read_bytes() == full
 
     for whole_lines, extra in ((3, 25), (2, 0)):  # killed while writing a batch; killed between batches
         cut_after(output, whole_lines, extra)
@@ -66,10 +70,12 @@ def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_sa
     assert output.read_bytes() == full and "(5 already done): 0 new tokens" in capsys.readouterr().err
 
 
-def test_a_resumed_scheduled_job_keeps_its_cost_table_and_its_outputs(tmp_path, monkeypatch, capsys, shared_target,
-                                                                     random_drafter_dir):
+def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_outputs(
+        tmp_path, monkeypatch, capsys, shared_target, random_drafter_dir):
+    """The scheduler weighs every row of a batch, so a sampled request's tokens depend on its
+    batch: fixed batches, rerun whole from the one the kill cut short, reproduce them."""
     inputs, output = write_requests(tmp_path / "requests.jsonl", REQUESTS[:3]), tmp_path / "out.jsonl"
-    spec = ("--drafter", str(random_drafter_dir), "--policy", "scheduler")
+    spec = ("--drafter", str(random_drafter_dir), "--policy", "scheduler", "--fixed-batches")
     batch(inputs, output, *spec)
     costs = json.loads((tmp_path / "out.jsonl.job.json").read_text())["scheduler_costs"]
     assert set(costs) == {"2"} and set(costs["2"]) == {"0", "1", "2", "4", "8"}  # timed at the job's batch size
@@ -81,9 +87,10 @@ def test_a_resumed_scheduled_job_keeps_its_cost_table_and_its_outputs(tmp_path, 
         raise AssertionError("a resumed job profiled the target again")
 
     monkeypatch.setattr("dspark_jax.scheduler.profile.profile_round_costs", no_profiling)
-    cut_after(output, 2, 40)  # the sampled request's line, half written
-    batch(inputs, output, *spec)
-    assert output.read_bytes() == full
+    for whole_lines in (2, 1):  # the sampled request's line half written; the first batch's second one
+        cut_after(output, whole_lines, 40)
+        batch(inputs, output, *spec)
+        assert output.read_bytes() == full, whole_lines
     assert "τ " in capsys.readouterr().err
 
 
@@ -126,6 +133,12 @@ def test_jobs_refuse_to_mix_settings_inputs_or_other_files(tmp_path, capsys, sha
     before = output.read_bytes()
     assert main([*base, "--temperature", "0.5"]) == 2
     assert "belongs to a job with other settings (temperature: was 0.0, now 0.5)" in capsys.readouterr().err
+    assert main([*base, "--fixed-batches"]) == 2
+    assert "(continuous: was True, now False)" in capsys.readouterr().err
+    output.write_text(before.decode().replace('"index": 0', '"index": 1'))
+    assert main(base) == 2
+    assert "out.jsonl:1: index 1 where this job writes 0" in capsys.readouterr().err
+    output.write_bytes(before)
     write_requests(inputs, REQUESTS[:2])
     assert main(base) == 2
     assert "the input file's contents" in capsys.readouterr().err

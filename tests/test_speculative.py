@@ -256,7 +256,9 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     policy and with the scheduler (whose choice weighs the whole batch: decided per device it
     would verify more, see below); its compiled prefill, draft and verify have no collective,
     the scheduler's draft only ones over the ``[B, γ]`` survivals; the scheduler's cost table can
-    be profiled on the mesh; a batch that cannot split is refused by name."""
+    be profiled on the mesh; continuous batching on the mesh (refills of a row per device written
+    into the split batch) gives every request, speculative or target-only, its one-batch tokens;
+    a batch that cannot split is refused by name."""
     script = textwrap.dedent("""
         import json
         import jax, jax.numpy as jnp
@@ -265,12 +267,14 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         from jax.sharding import Mesh
         assert len(jax.devices()) == 8, jax.devices()
         from dspark_jax.config import DrafterConfig, SamplingConfig
+        from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
         from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, stop_id_array
         from dspark_jax.drafter.model import Drafter
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
         from dspark_jax.scheduler.profile import profile_round_costs
         from tests.multidevice import collectives, value_errors
+        from tests.refills import counting_refills
         from tests.tiny import sharp_tiny_target
         target = sharp_tiny_target()
         drafter = Drafter(DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5,
@@ -290,6 +294,14 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
                 runs[f"{policy}-{name}"] = {"tokens": r.tokens, "widths": r.verify_widths,
                                             "lengths": [x.tolist() for x in r.verify_lengths],
                                             "accepted": [x.tolist() for x in r.accepted_per_round]}
+        # Continuous batching on the mesh: 16 requests through 8 rows, refills of 8 (a row a device).
+        kwargs = dict(max_new_tokens=24, sampling=sampling, seeds=7, stop_ids=[2], max_len=48)
+        continuous = {"speculative-whole": runs["fixed-one"]["tokens"],
+                      "target-whole": AutoregressiveGenerator(target).generate(prompts, **kwargs).tokens}
+        refills = {}
+        for kind, runner in (("speculative", decoders["eight"]), ("target", AutoregressiveGenerator(target, mesh=mesh))):
+            refills[kind] = counting_refills(runner)
+            continuous[f"{kind}-eight"] = runner.generate(prompts, batch_size=8, **kwargs).tokens
         d = decoders["eight"]
         params, keys, active, lengths, tokens, lens = d.rows.on_rows((
             SamplingParams.from_configs(sampling), request_keys(range(16)), jnp.ones((16,), bool),
@@ -309,7 +321,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         costs = profile_round_costs(d, 16, max_len=48, prompt_len=8, repeats=1)
         errors = value_errors(lambda: d.generate(prompts[:3], max_new_tokens=4),
                               lambda: SpeculativeDecoder(target, drafter, mesh=Mesh(np.asarray(jax.devices()), ("model",))))
-        print(json.dumps({"runs": runs, "collectives": found, "errors": errors, "costs": costs}))
+        print(json.dumps({"runs": runs, "collectives": found, "errors": errors, "costs": costs,
+                          "continuous": continuous, "refills": refills}))
     """)
     report = run_on_eight_devices(script)
     runs, found = report["runs"], report["collectives"]
@@ -327,6 +340,10 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
              for dims in re.findall(r"\[([\d,]*)\]", line.split(" all-")[0])]
     assert sizes and max(sizes) <= 48, found["scheduler draft"]
     assert sorted(int(w) for w in report["costs"]) == [0, 1, 2, 4] and min(report["costs"].values()) > 0
+    continuous = report["continuous"]
+    for kind in ("speculative", "target"):
+        assert continuous[f"{kind}-eight"] == continuous[f"{kind}-whole"], kind
+    assert all(sizes and set(sizes) == {8} for sizes in report["refills"].values()), report["refills"]
     not_split, no_data_axis = report["errors"]
     assert not_split is not None and "a batch of 3 requests does not split over the mesh's 8" in not_split
     assert no_data_axis is not None and "needs a 'data' axis" in no_data_axis

@@ -31,6 +31,7 @@ from dspark_jax.decoding.speculative import (
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, TargetCache, TargetOutput
 from dspark_jax.drafter.model import Drafter
 from dspark_jax.sampling import SamplingParams, request_keys
+from tests.refills import counting_refills
 from tests.tiny import tiny_target
 
 
@@ -166,6 +167,20 @@ def test_speculative_greedy_equals_target_only_on_a_linen_target(linen, k):
     result = decoder.generate(PROMPTS, max_new_tokens=20)
     assert result.tokens == reference.tokens
     assert all((lengths == k).all() for lengths in result.verify_lengths)
+
+
+def test_continuous_batching_on_a_linen_target_whose_cache_keeps_layers_first(linen):
+    """Refilled rows are found by shape (this cache is ``[layers, B, ...]``): one row at a time,
+    the other rows decoding on, every request gets its one-batch tokens."""
+    target, drafter, _ = linen
+    prompts = PROMPTS * 2
+    stop = [22]  # the first prompt's first greedy token: it stops at once while the others run on
+    for runner in (AutoregressiveGenerator(target), SpeculativeDecoder(target, drafter, policy=FixedPolicy(2))):
+        one_batch = runner.generate(prompts, max_new_tokens=20, stop_ids=stop)
+        assert set(one_batch.finish_reasons) == {"stop", "length"}
+        refills = counting_refills(runner)
+        assert runner.generate(prompts, max_new_tokens=20, stop_ids=stop, batch_size=2).tokens == one_batch.tokens
+        assert refills, type(runner).__name__
 
 
 def test_strict_speculative_greedy_equals_its_reference_on_a_linen_target(linen):

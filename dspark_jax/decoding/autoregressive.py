@@ -3,7 +3,8 @@
 Shapes are static per (batch slots, cache length, prefill bucket), so after the first call
 nothing compiles again however many tokens are generated. Prompts of different lengths share
 one right-padded prefill; each row then decodes at its own position. Finished rows are frozen
-(their cache length stops moving) while the rest continue.
+(their cache length stops moving) while the rest continue, or, with more prompts than
+``batch_size`` rows, take the next prompt (continuous batching, ``decoding.slots``).
 """
 
 from __future__ import annotations
@@ -19,10 +20,14 @@ from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.rows import RowSplit
+from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 CACHE_LEN_MULTIPLE = 128
+
+# ``on_finish(request index, its tokens, finish reason)``: called as each request finishes.
+FinishCallback = Callable[[int, list[int], str], None]
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -95,6 +100,14 @@ class Requests:
     @property
     def batch(self) -> int:
         return len(self.prompts)
+
+    def pick(self, indices: Sequence[int]) -> tuple[np.ndarray, list[int], SamplingParams, jax.Array]:
+        """Requests ``indices`` (repeats allowed) as a batch of their own: right-padded prompts
+        (bucketed to their longest), lengths, sampling parameters and PRNG keys."""
+        lens = [self.lens[i] for i in indices]
+        index = np.asarray(indices)
+        picked = jax.tree.map(lambda x: x[index], (self.params, self.keys_B))
+        return self.padded_BxP[index, : bucket(max(lens))], lens, *picked
 
     def check_fits(self, max_new_tokens: int, slack: int, max_len: int) -> None:
         need = max(self.lens) + max_new_tokens + slack
@@ -198,6 +211,10 @@ class AutoregressiveGenerator:
         # The cache is donated: every layer's K/V buffer is updated in place.
         self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0,)), donate_argnums=(1,))
         self._decode_step = jax.jit(self.rows.per_row(decode_step, replicated=(0,)), donate_argnums=(1,))
+        self._insert = RowInserter(lambda batch: (
+            target.new_cache(batch, 1), jnp.zeros((batch,), jnp.int32), request_keys(range(batch)),
+            SamplingParams.broadcast(SamplingConfig(), batch),
+        ))
 
     def on_rows(self, tree):
         """Per-request arrays (leading axis = batch) where the generator runs them."""
@@ -239,37 +256,41 @@ class AutoregressiveGenerator:
         stop_ids: Sequence[int] = (),
         max_len: int | None = None,
         on_step: Callable[[np.ndarray], None] | None = None,
+        batch_size: int | None = None,
+        continuous: bool = True,
+        on_finish: FinishCallback | None = None,
     ) -> GenerationResult:
-        """Generate for a batch of token-id prompts.
+        """Generate for token-id prompts.
 
         ``max_new_tokens=0`` returns empty completions without running the model. ``seeds`` is one
         int per request (or one int, request ``i`` then using ``seed + i``). ``max_len`` fixes the
-        cache length (default: the prompt + max_new_tokens rounded up to a multiple of 128).
+        cache length (default: the longest prompt + max_new_tokens rounded up to a multiple of 128).
+
+        ``batch_size`` (default: every prompt at once) caps the rows decoded together; with more
+        prompts than that, a finished request's row is prefilled with the next waiting prompt
+        (continuous batching; ``continuous=False``: only once the whole batch has finished, i.e.
+        fixed batches of ``batch_size`` in order). ``on_finish(index, tokens, reason)`` is called
+        as each request finishes. ``on_step`` gets each step's token per row.
         """
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
-        batch = requests.batch
+        count = requests.batch
         if max_new_tokens == 0:
-            return GenerationResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0)
+            return GenerationResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0)
+        slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
+        batch = slots.rows
+        self.rows.check_batch(batch)
+        if self.tap_layers and batch < count:
+            raise ValueError(f"tap_layers needs every prompt in one batch: {count} prompts, batch_size {batch}")
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
         requests.check_fits(max_new_tokens, self.slack, max_len)
         lens = requests.lens
-        stops = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
-        cache = self.new_cache(batch, max_len)
-        params, keys, tokens_BxP, lens_B = self.on_rows((
-            requests.params, requests.keys_B, jnp.asarray(requests.padded_BxP), jnp.asarray(lens, jnp.int32),
-        ))
-
-        start = time.perf_counter()
-        token_B, cache, prompt_taps = self._prefill(self.params, cache, tokens_BxP, lens_B, keys, params)
-        token_np = np.asarray(token_B)
-        prefill_s = time.perf_counter() - start
-        out: list[list[int]] = [[] for _ in range(batch)]
-        reasons = ["length"] * batch
-        active = np.ones(batch, bool)
+        stops = set(int(s) for s in stop_ids)
+        completions = Completions(slots, count, max_new_tokens, on_finish)
+        out = completions.tokens
         # Taps per request: the prompt's from prefill, then each generated token's from the step
         # that feeds it (a finished row's last token is fed by the next step all the same).
-        taps = None if not self.tap_layers else [[np.asarray(prompt_taps[row, :n])] for row, n in enumerate(lens)]
+        taps = [[] for _ in range(count)] if self.tap_layers else None
         tapped = np.array(lens)
 
         def record_taps(step_taps) -> None:
@@ -278,32 +299,55 @@ class AutoregressiveGenerator:
                 taps[row].append(step_taps[row : row + 1])
                 tapped[row] += 1
 
+        state = None  # (cache, last token, keys, sampling parameters), per row
+        prefill_s = decode_s = 0.0
         steps = 0
-        start = time.perf_counter()
         while True:
-            for row in np.flatnonzero(active):
-                out[row].append(int(token_np[row]))
-                if np.isin(token_np[row], stops):
-                    active[row], reasons[row] = False, "stop"
-                elif len(out[row]) >= max_new_tokens:
-                    active[row] = False
-            if on_step is not None:
-                on_step(token_np)
-            if not active.any():
+            while (fill := slots.refill()) is not None:
+                rows, joining, size, whole = fill
+                start = time.perf_counter()
+                padded, fill_lens, params, keys = requests.pick(joining + joining[:1] * (size - len(joining)))
+                params, keys, tokens_BxP, lens_B = self.on_rows((
+                    params, keys, jnp.asarray(padded), jnp.asarray(fill_lens, jnp.int32),
+                ))
+                token_B, cache, prompt_taps = self._prefill(
+                    self.params, self.new_cache(size, max_len), tokens_BxP, lens_B, keys, params)
+                filled = (cache, token_B, keys, params)
+                state = filled if whole else self._insert(state, filled, rows, size, batch)
+                first = np.asarray(token_B)
+                prefill_s += time.perf_counter() - start
+                if taps is not None:
+                    for i, (request, n) in enumerate(zip(joining, fill_lens)):
+                        taps[request].append(np.asarray(prompt_taps[i, :n]))
+                for row, token in zip(rows, first):
+                    completions.emit(row, [token], int(token) in stops)
+                if on_step is not None:
+                    on_step(first)
+            if not slots.active.any():
                 break
-            step_B, active_B = self.on_rows((jnp.asarray([len(t) for t in out], jnp.int32), jnp.asarray(active)))
+            start = time.perf_counter()
+            cache, token_B, keys, params = state
+            step_B, active_B = self.on_rows((
+                jnp.asarray([len(out[r]) if r != IDLE else 0 for r in slots.request_of], jnp.int32),
+                jnp.asarray(slots.active),
+            ))
             token_B, cache, step_taps = self._decode_step(self.params, cache, token_B, active_B, step_B, keys, params)
+            state = (cache, token_B, keys, params)
             if taps is not None:
                 record_taps(step_taps)
             token_np = np.asarray(token_B)
+            for row in np.flatnonzero(slots.active):
+                completions.emit(row, token_np[row : row + 1], int(token_np[row]) in stops)
+            if on_step is not None:
+                on_step(token_np)
             steps += 1
+            decode_s += time.perf_counter() - start
         if taps is not None:
             # The last rows to finish have their last token fed by no step yet: one more forward,
             # which commits nothing (every row inactive).
+            cache, token_B, keys, params = state
             idle_B, zeros_B = self.on_rows((jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32)))
             _, _, step_taps = self._decode_step(self.params, cache, token_B, idle_B, zeros_B, keys, params)
             record_taps(step_taps)
             taps = [np.concatenate(parts) for parts in taps]
-        decode_s = time.perf_counter() - start
-        return GenerationResult(out, reasons, prefill_s, decode_s, steps, taps)
-
+        return GenerationResult(out, completions.reasons, prefill_s, decode_s, steps, taps)

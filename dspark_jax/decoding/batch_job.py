@@ -12,15 +12,22 @@ silently ignored.
 Output: one line per request, in input order: ``{"index", "id"?, "completion", "finish_reason",
 "prompt_tokens", "completion_tokens", "metadata"?}``.
 
-The requests run in fixed batches of the input, in order (the last one padded with copies of its
-last request, whose results are dropped, so every batch has one shape and splits over a mesh).
-A request's output depends only on its batch, its seed (``"seed"``, or the job's seed plus its
-index) and, under a scheduler policy, the cost table, so a rerun with the same table reproduces it. Each batch's lines are appended and synced when it finishes;
-the settings and the scheduler's cost table are kept next to the output (``<output>.job.json``). A job that is killed resumes
-where it stopped when run again with the same settings: a half-written last line is cut, the
-batches already written are skipped, and the finished file is byte for byte the one an
-uninterrupted run writes. Different settings, another input or an output file that no job wrote
-are refused rather than mixed into it.
+The requests run in batches of ``batch_size`` rows with continuous batching: when a request
+finishes, the next one in the file is prefilled into its row between steps, so short answers do
+not leave rows idle while long ones finish (``continuous=False``: fixed batches of the file, in
+order, each starting once the last has finished). Each finished request's line is appended and
+synced as soon as every earlier request's is (the file stays in input order); the settings and
+the scheduler's cost table are kept next to the output (``<output>.job.json``).
+
+A job that is killed resumes where it stopped when run again with the same settings: a
+half-written last line is cut and the requests already written are skipped. A request's tokens
+depend on its prompt, its sampling and its seed (``"seed"``, or the job's seed plus its index), so
+the resumed file is byte for byte the one an uninterrupted run writes, with one exception: a
+sampled request under a ``threshold`` or ``scheduler`` policy, whose verify lengths (and so its
+random draws) weigh the other requests in flight. With continuous batching those differ after a
+resume, and such requests are drawn again, from the same exact distribution; with fixed batches
+(and the job's recorded cost table) they are reproduced too. Different settings, another input
+or an output file that no job wrote are refused rather than mixed into it.
 """
 
 from __future__ import annotations
@@ -133,27 +140,27 @@ def _file_sha256(path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _completed(output: Path, num_requests: int) -> set[int]:
-    """Indexes already in ``output``; a half-written last line (a killed write) is cut off."""
+def _completed(output: Path, num_requests: int) -> int:
+    """How many requests ``output`` holds: its lines are the first requests, in order (a
+    half-written last line, from a killed write, is cut off)."""
     if not output.exists():
-        return set()
+        return 0
     data = output.read_bytes()
     whole = data.rfind(b"\n") + 1
     if whole < len(data):
         with open(output, "r+b") as f:
             f.truncate(whole)
-    done = set()
-    for number, line in enumerate(data[:whole].decode().splitlines(), 1):
+    lines = data[:whole].decode().splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             index = json.loads(line)["index"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{output}:{number} is not a completion this job wrote; "
                              "write to another output or delete it") from None
-        if not isinstance(index, int) or not 0 <= index < num_requests or index in done:
-            raise ValueError(f"{output}:{number}: index {index!r} is out of range or repeated; "
+        if index != number - 1 or number > num_requests:
+            raise ValueError(f"{output}:{number}: index {index!r} where this job writes {number - 1}; "
                              "write to another output or delete it")
-        done.add(index)
-    return done
+    return len(lines)
 
 
 class BatchJob:
@@ -171,6 +178,9 @@ class BatchJob:
         self.batch_size = settings["batch_size"]
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
+        self.continuous = settings.get("continuous", True)
+        if not isinstance(self.continuous, bool):
+            raise ValueError(f"continuous must be a bool, got {self.continuous!r}")
         if not self.input_path.is_file():
             raise FileNotFoundError(f"request file {self.input_path} does not exist")
         self.manifest = {"format": FORMAT, "version": VERSION, "input": str(self.input_path),
@@ -219,6 +229,8 @@ class BatchJob:
             except ValueError as error:
                 name = f" (id {request.id!r})" if request.id is not None else ""
                 raise ValueError(f"request {request.index}{name}: {error}") from None
+        # One cache length for the whole job, resumed or not (it is part of every compiled shape).
+        max_len = runner.cache_len_for([len(r.ids) for r in requests], max_new_tokens)
         if self.started is None:
             self.output.parent.mkdir(parents=True, exist_ok=True)
             manifest = {**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs}
@@ -227,44 +239,50 @@ class BatchJob:
             os.replace(partial, self.manifest_path)
             self.output.write_bytes(b"")
             self.started = manifest
-        done = _completed(self.output, len(requests))
-        resumed = len(done)
-        generated = rounds = accepted = 0
+        resumed = _completed(self.output, len(requests))
+        # Fixed batches: a batch cut short by the kill runs again whole, so that its requests
+        # share a batch as they did (its lines already written are not written again).
+        first = resumed if self.continuous else resumed - resumed % self.batch_size
+        todo = list(requests[first:])
+        finished: dict[int, str] = {}  # position in ``todo`` -> its line, until the lines before it are written
+        next_line = resumed - first
+        generated = 0
         start = time.perf_counter()
         bar = tqdm(total=len(requests), initial=resumed, unit="request", disable=not progress, desc="dspark batch")
         with open(self.output, "a", encoding="utf-8") as out:
-            for first in range(0, len(requests), self.batch_size):
-                chunk = list(requests[first:first + self.batch_size])
-                missing = [r for r in chunk if r.index not in done]
-                if not missing:
-                    continue
-                padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
-                result = runner.generate(
-                    [r.ids for r in padded], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in padded],
-                    seeds=[r.seed for r in padded], stop_ids=stop_ids,
-                )
-                lines = []
-                for row, request in enumerate(chunk):
-                    if request.index in done:  # written before the job was killed; the rerun is identical
-                        continue
-                    tokens = result.tokens[row]
-                    record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
-                              "completion": decode(tokens), "finish_reason": result.finish_reasons[row],
-                              "prompt_tokens": len(request.ids), "completion_tokens": len(tokens)}
-                    if request.metadata is not None:
-                        record["metadata"] = request.metadata
-                    lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-                    generated += len(tokens)
-                out.write("".join(lines))
-                out.flush()
-                os.fsync(out.fileno())
-                for accepted_B in getattr(result, "accepted_per_round", ()):  # speculative: τ over every row run
-                    rounds, accepted = rounds + len(accepted_B), accepted + int(np.sum(accepted_B))
-                bar.update(len(missing))
-                elapsed = time.perf_counter() - start
-                bar.set_postfix_str(f"{generated / elapsed:.1f} tok/s" + (f", τ {1 + accepted / rounds:.2f}" if rounds else ""))
+
+            def on_finish(position: int, tokens: list[int], reason: str) -> None:
+                nonlocal generated, next_line
+                request = todo[position]
+                if request.index < resumed:
+                    return
+                record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
+                          "completion": decode(tokens), "finish_reason": reason,
+                          "prompt_tokens": len(request.ids), "completion_tokens": len(tokens)}
+                if request.metadata is not None:
+                    record["metadata"] = request.metadata
+                finished[position] = json.dumps(record, ensure_ascii=False) + "\n"
+                generated += len(tokens)
+                ready = []
+                while next_line in finished:
+                    ready.append(finished.pop(next_line))
+                    next_line += 1
+                if ready:
+                    out.write("".join(ready))
+                    out.flush()
+                    os.fsync(out.fileno())
+                    bar.update(len(ready))
+                    bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+
+            result = None if not todo else runner.generate(
+                [r.ids for r in todo], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in todo],
+                seeds=[r.seed for r in todo], stop_ids=stop_ids, max_len=max_len, batch_size=self.batch_size,
+                continuous=self.continuous, on_finish=on_finish,
+            )
         bar.close()
         elapsed = time.perf_counter() - start
+        accepted = getattr(result, "accepted_per_round", None)  # speculative: τ over every request-round
+        accepted = np.concatenate(accepted) if accepted else None
         return {"requests": len(requests), "resumed": resumed, "completion_tokens": generated, "seconds": elapsed,
                 "tokens_per_s": generated / elapsed if elapsed > 0 else float("nan"),
-                "tau": 1 + accepted / rounds if rounds else None}
+                "tau": None if accepted is None else 1 + float(np.mean(accepted))}

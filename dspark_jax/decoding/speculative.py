@@ -16,7 +16,8 @@ The host picks ``W`` as the smallest bucket ``>= max ℓ + 1`` so that verifying
 less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen. With a
 policy that can tell when drafts do not pay (the scheduler's ``worth_drafting``), the host also
 runs *plain rounds*: target steps that skip the draft (ℓ = 0 for every row, decided before that
-round's drafts exist).
+round's drafts exist). With more prompts than ``batch_size`` rows, a finished request's row is
+prefilled with the next prompt between rounds (continuous batching, ``decoding.slots``).
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from jax.sharding import Mesh
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import (
     AutoregressiveGenerator,
+    FinishCallback,
     bucket,
     cache_len,
     prepare_requests,
 )
 from dspark_jax.decoding.rows import RowSplit
+from dspark_jax.decoding.slots import Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
@@ -303,6 +306,12 @@ class SpeculativeDecoder:
 
         self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0, 1)), donate_argnums=(2, 3))
         self._verify = jax.jit(verify_at, static_argnames=("width",), donate_argnames=("state",))
+        feature = self._feature_dtype
+        self._insert = RowInserter(lambda batch: (
+            DecodeState(target.new_cache(batch, 1), drafter.new_context(batch, 1, feature),
+                        jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)),
+            request_keys(range(batch)), SamplingParams.broadcast(SamplingConfig(), batch),
+        ))
         self._set_policy(policy)
 
     def _set_policy(self, policy) -> None:
@@ -394,34 +403,28 @@ class SpeculativeDecoder:
         seeds: Sequence[int] | int = 0,
         stop_ids: Sequence[int] = (),
         max_len: int | None = None,
+        batch_size: int | None = None,
+        continuous: bool = True,
+        on_finish: FinishCallback | None = None,
     ) -> SpeculativeResult:
-        """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``."""
+        """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``,
+        continuous batching included. A refill prefills the joining requests between rounds."""
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
-        batch = requests.batch
+        count = requests.batch
         if max_new_tokens == 0:
-            return SpeculativeResult([[] for _ in range(batch)], ["length"] * batch, 0.0, 0.0, 0, [], [], [])
+            return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [])
+        slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
+        batch = slots.rows
+        self.rows.check_batch(batch)
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
         requests.check_fits(max_new_tokens, self.slack, max_len)
-        params, keys = self.rows.on_rows((requests.params, requests.keys_B))
         stops = stop_id_array(stop_ids)
+        stop_set = set(int(s) for s in stop_ids)
+        completions = Completions(slots, count, max_new_tokens, on_finish)
 
-        start = time.perf_counter()
-        first, state = self.prefill(batch, max_len, requests.padded_BxP, requests.lens, keys, params)
-        first = np.asarray(first)
-        prefill_s = time.perf_counter() - start
-
-        out = [[int(t)] for t in first]
-        reasons = ["length"] * batch
-        active = np.ones(batch, bool)
-        for row in range(batch):
-            if int(first[row]) in set(int(s) for s in stop_ids):
-                active[row], reasons[row] = False, "stop"
-            elif max_new_tokens <= 1:
-                active[row] = False
         accepted_log, lengths_log, confidence_log, widths = [], [], [], []
-        start = time.perf_counter()
-        draft_s = verify_s = 0.0
+        prefill_s = decode_s = draft_s = verify_s = 0.0
         # Plain rounds: after a drafted round whose drafts did not beat not drafting at all, the
         # next ``skip`` rounds are target steps without a draft (ℓ = 0, decided before they
         # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS. A policy
@@ -429,7 +432,24 @@ class SpeculativeDecoder:
         skip = plain_left = plain_rounds = 0
         no_drafts = self.rows.on_rows(jnp.zeros((batch,), jnp.int32))
         block = None
-        while active.any():
+        state = keys = params = None  # per row: DecodeState, PRNG keys, sampling parameters
+        while True:
+            while (fill := slots.refill()) is not None:
+                rows, joining, size, whole = fill
+                start = time.perf_counter()
+                padded, fill_lens, fill_params, fill_keys = requests.pick(joining + joining[:1] * (size - len(joining)))
+                fill_params, fill_keys = self.rows.on_rows((fill_params, fill_keys))
+                first, filled = self.prefill(size, max_len, padded, fill_lens, fill_keys, fill_params)
+                filled = (filled, fill_keys, fill_params)
+                state, keys, params = filled if whole else self._insert(
+                    (state, keys, params), filled, rows, size, batch)
+                first = np.asarray(first)
+                prefill_s += time.perf_counter() - start
+                for row, token in zip(rows, first):
+                    completions.emit(row, [token], int(token) in stop_set)
+            active = slots.active
+            if not active.any():
+                break
             t_draft = time.perf_counter()
             active_j = self.rows.on_rows(jnp.asarray(active))
             drafting = plain_left == 0 and (block is None or getattr(self.policy, "drafts", True))
@@ -462,14 +482,9 @@ class SpeculativeDecoder:
                 confidence_log.append(np.asarray(confidence)[active])
             widths.append(width)
             for row in np.flatnonzero(active):
-                room = max_new_tokens - len(out[row])
-                out[row].extend(int(t) for t in emitted[row, : min(num[row], room)])
-                if stopped[row] and num[row] <= room:
-                    active[row], reasons[row] = False, "stop"
-                elif len(out[row]) >= max_new_tokens:
-                    active[row] = False
-        decode_s = time.perf_counter() - start
+                completions.emit(row, emitted[row, : num[row]], bool(stopped[row]))
+            decode_s += time.perf_counter() - t_draft
         return SpeculativeResult(
-            out, reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
+            completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
             draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log, plain_rounds=plain_rounds,
         )

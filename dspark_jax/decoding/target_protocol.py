@@ -26,6 +26,9 @@ Semantics (``B`` batch rows, ``T`` new tokens per call, ``V`` vocabulary, ``d`` 
   features come from these.
 * ``new_cache(batch, max_len)`` returns an empty cache (``lengths_B`` zeros, room for ``max_len``
   positions per row). The cache is a pytree (it travels through ``jax.jit`` and may be donated).
+  Each of its leaves has exactly one axis of size ``batch`` (any position: continuous batching
+  finds it by comparing the shapes at batch 1 and 2, and copies a refilled request's rows along
+  it).
 * ``cache.rollback(lengths_B)`` returns the cache with lengths ``min(current, lengths_B)`` and
   nothing else changed: it only moves lengths (the masking rule above makes that enough).
 * ``embedding_and_head(params)`` returns the input embedding and the LM head, both ``[V, d]``

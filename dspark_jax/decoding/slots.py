@@ -1,0 +1,136 @@
+"""Continuous batching: more requests than batch rows, a finished request's row taken by the next.
+
+A decoder keeps one batch of ``rows`` in flight. ``Slots`` (host side) says which request each
+row is decoding and which requests wait; when rows free up, the next waiting requests are
+prefilled as a small batch of their own and their per-row state (target cache rows, drafter
+context rows, anchor, PRNG keys, sampling parameters) is written into the freed rows by
+``RowInserter``. Every request keeps its own PRNG stream and step counter, so what it generates
+does not depend on when it joined or on its neighbours, except through a batch-wide verify
+policy (threshold, scheduler), whose lengths weigh every row in flight.
+
+Refill sizes are bucketed (a multiple of the mesh's data-parallel devices, doubling, up to
+``rows``) so that only a few prefill shapes compile.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+IDLE = -1
+
+
+class Refill(NamedTuple):
+    """Requests joining the batch: ``requests[i]`` takes row ``rows[i]``, prefilled as a batch of
+    ``size`` (the requests, then padding). ``whole``: every row was idle, so ``size`` is the
+    batch's and ``rows`` is ``0..len(requests)-1``; the prefilled state replaces the batch's."""
+
+    rows: np.ndarray
+    requests: list[int]
+    size: int
+    whole: bool
+
+
+class Slots:
+    """Which request each row decodes (``IDLE`` for none) and the requests still waiting.
+
+    ``continuous=False`` refills only once every row is idle: fixed batches of ``rows``
+    requests in order, each batch's composition independent of when its requests finish.
+    """
+
+    def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True):
+        if rows < 1:
+            raise ValueError(f"a batch needs at least one row, got {rows}")
+        self.rows, self.continuous = rows, continuous
+        self.request_of = np.full(rows, IDLE, np.int64)
+        self.waiting = deque(range(num_requests))
+        # Refill batch sizes: devices, 2 * devices, ... below ``rows``, then ``rows`` itself.
+        self.sizes = [devices * 2**k for k in range(rows.bit_length()) if devices * 2**k < rows] + [rows]
+
+    @property
+    def active(self) -> np.ndarray:
+        return self.request_of != IDLE
+
+    def release(self, row: int) -> None:
+        self.request_of[row] = IDLE
+
+    def refill(self) -> Refill | None:
+        """The next waiting requests for the idle rows, if it is time to refill."""
+        idle = np.flatnonzero(self.request_of == IDLE)
+        if not self.waiting or not idle.size or (not self.continuous and idle.size < self.rows):
+            return None
+        count = min(idle.size, len(self.waiting))
+        whole = idle.size == self.rows
+        size = self.rows if whole else next(s for s in self.sizes if s >= count)
+        rows = idle[:count]
+        requests = [self.waiting.popleft() for _ in range(count)]
+        self.request_of[rows] = requests
+        return Refill(rows, requests, size, whole)
+
+
+class Completions:
+    """Each request's tokens so far and finish reason. ``emit`` adds a row's new tokens to its
+    request and, once that request is done (a stop token, or ``max_new_tokens``), frees the row
+    and reports it to ``on_finish(index, tokens, reason)``."""
+
+    def __init__(self, slots: Slots, count: int, max_new_tokens: int, on_finish: Callable | None):
+        self.slots, self.max_new_tokens, self.on_finish = slots, max_new_tokens, on_finish
+        self.tokens: list[list[int]] = [[] for _ in range(count)]
+        self.reasons = ["length"] * count
+
+    def emit(self, row: int, tokens, stopped: bool) -> None:
+        """``tokens`` (ending in a stop token if ``stopped``) committed for row ``row``'s request."""
+        request = int(self.slots.request_of[row])
+        out = self.tokens[request]
+        room = self.max_new_tokens - len(out)
+        out.extend(int(t) for t in tokens[:room])
+        if stopped and len(tokens) <= room:
+            self.reasons[request] = "stop"
+        elif len(out) < self.max_new_tokens:
+            return
+        self.slots.release(row)
+        if self.on_finish is not None:
+            self.on_finish(request, out, self.reasons[request])
+
+
+def row_axes(make: Callable[[int], Any]) -> Any:
+    """For each leaf of the pytree ``make(batch)``, the axis that holds the batch: the one whose
+    size differs between batch 1 and batch 2 (a cache may keep layers first)."""
+    one, two = jax.eval_shape(lambda: make(1)), jax.eval_shape(lambda: make(2))
+
+    def axis(a, b):
+        differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(differ) != 1:
+            raise ValueError(f"cannot tell the batch axis of a state leaf: shape {a.shape} at batch 1, {b.shape} at 2")
+        return differ[0]
+
+    return jax.tree.map(axis, one, two)
+
+
+def _insert_rows(batch_state, refill_state, dest_N, *, axes):
+    def put(batch_leaf, refill_leaf, axis):
+        # Padding rows of the refill carry an out-of-range destination: dropped.
+        return batch_leaf.at[(slice(None),) * axis + (dest_N,)].set(refill_leaf, mode="drop")
+
+    return jax.tree.map(put, batch_state, refill_state, axes)
+
+
+class RowInserter:
+    """Writes a refill's per-row state into chosen rows of the batch's (donated, in place).
+
+    ``make(batch)`` builds a state pytree of that batch size (only its shapes are used, to find
+    each leaf's batch axis)."""
+
+    def __init__(self, make: Callable[[int], Any]):
+        self._insert = jax.jit(functools.partial(_insert_rows, axes=row_axes(make)), donate_argnums=(0,))
+
+    def __call__(self, batch_state, refill_state, rows: np.ndarray, size: int, batch: int):
+        """Refill row ``i < len(rows)`` goes to batch row ``rows[i]``; rows past that are padding."""
+        dest = np.full(size, batch, np.int32)
+        dest[: len(rows)] = rows
+        return self._insert(batch_state, refill_state, dest)

@@ -1,0 +1,109 @@
+#!/usr/bin/env python
+"""Continuous batching against fixed batches, side by side, on one batch job.
+
+``--per-set`` first turns from each of ``--sets`` (default GSM8K, HumanEval, MT-Bench;
+interleaved, so answers of different lengths share every batch), chat-templated, answered
+greedily by the embedded target with ``AutoregressiveGenerator.generate(prompts,
+batch_size=B)`` (what ``dspark batch`` runs), in both modes, alternating ``--rounds`` times on
+one generator: the first round of each mode compiles its shapes (continuous batching has more:
+refill prefills of 1, 2, 4, ... rows and the row insert), later rounds are warm.
+
+Per run: wall seconds, decode steps, prefill and decode seconds, tokens/s. Per job: the
+completion lengths (a fixed batch runs as long as its longest answer; that is what continuous
+batching wins back) and whether both modes produced the same tokens (greedy, target-only: they
+must).
+
+Writes JSON (``--out``); the last line printed is ``{"speedup": continuous/fixed tokens/s of the
+last round, "steps": [fixed, continuous], "identical": ...}``.
+
+    .venv/bin/python scripts/bench_batch.py                            # 8 a set, 256 tokens, B = 8
+    .venv/bin/python scripts/bench_batch.py --sets gsm8k --per-set 32 --max-new-tokens 384
+    .venv/bin/python scripts/bench_batch.py --quick                    # 2 a set, 24 tokens, B = 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
+    ap.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
+    ap.add_argument("--per-set", type=int, default=None, help="prompts from each set (default 8; --quick: 2)")
+    ap.add_argument("--batch-size", type=int, default=None, help="default 8 (--quick: 2)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 24)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="docs/batch/bench_batch.json")
+    args = ap.parse_args(argv)
+    args.per_set = args.per_set or (2 if args.quick else 8)
+    args.batch_size = args.batch_size or (2 if args.quick else 8)
+    args.max_new_tokens = args.max_new_tokens or (24 if args.quick else 256)
+    if min(args.per_set, args.batch_size, args.max_new_tokens, args.rounds) < 1:
+        ap.error("--per-set, --batch-size, --max-new-tokens and --rounds must be >= 1")
+    return args
+
+
+def prompts_from(benchmarks: Path, sets, per_set: int, tokenizer) -> list[list[int]]:
+    """The first ``per_set`` first turns of each set, interleaved (math, code, chat, math, ...)."""
+    groups = []
+    for name in sets:
+        lines = [line for line in (benchmarks / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        if len(lines) < per_set:
+            raise SystemExit(f"{name}.jsonl has {len(lines)} prompts, fewer than --per-set {per_set}")
+        groups.append([tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["turns"][0]}])
+                       for line in lines[:per_set]])
+    return [p for group in zip(*groups) for p in group]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+
+    target, tokenizer = load_embedded_target()
+    prompts = prompts_from(Path(args.benchmarks), args.sets, args.per_set, tokenizer)
+    generator = AutoregressiveGenerator(target)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=[tokenizer.eos_token_id], batch_size=args.batch_size,
+                  max_len=generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens))
+    runs, tokens = [], {}
+    for round_index in range(args.rounds):
+        for mode in ("fixed", "continuous"):
+            start = time.perf_counter()
+            result = generator.generate(prompts, continuous=mode == "continuous", **kwargs)
+            seconds = time.perf_counter() - start
+            tokens[mode] = result.tokens
+            runs.append({"mode": mode, "round": round_index, "seconds": round(seconds, 2), "steps": result.steps,
+                         "prefill_s": round(result.prefill_s, 2), "decode_s": round(result.decode_s, 2),
+                         "completion_tokens": result.num_generated,
+                         "tokens_per_s": round(result.num_generated / seconds, 2)})
+            print(json.dumps(runs[-1]), flush=True)
+    last = {run["mode"]: run for run in runs if run["round"] == args.rounds - 1}
+    lengths = [len(t) for t in tokens["continuous"]]
+    report = {
+        "settings": {"requests": len(prompts), "sets": args.sets, "per_set": args.per_set,
+                     "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+                     "target": "embedded SmolLM2-135M-Instruct", "sampling": "greedy", "drafter": None},
+        "runs": runs,
+        "completion_lengths": lengths,
+        "at_limit": sum(n == args.max_new_tokens for n in lengths),
+        "identical": tokens["fixed"] == tokens["continuous"],
+        "speedup": round(last["continuous"]["tokens_per_s"] / last["fixed"]["tokens_per_s"], 3),
+        "steps": [last["fixed"]["steps"], last["continuous"]["steps"]],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("speedup", "steps", "identical")}))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Continuous batching: more requests than rows, a finished request's row refilled with the next."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.config import DrafterConfig, SamplingConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.slots import IDLE, Slots, row_axes
+from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, ThresholdPolicy
+from dspark_jax.drafter.model import Drafter
+from tests.refills import counting_refills
+from tests.tiny import sharp_tiny_target
+
+STOP = 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = sharp_tiny_target()
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5, block_size=3,
+                                   markov_rank=4, confidence_head=True)
+    rng = np.random.default_rng(0)
+    # Lengths 2..11; on this target some requests stop at their first or second token, the rest run
+    # to max_new_tokens: rows free up at different steps.
+    prompts = [rng.integers(1, 12, size=n).tolist() for n in rng.integers(2, 12, size=13)]
+    sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 6 + [SamplingConfig(temperature=3.0)]
+    return target, Drafter(cfg, rngs=nnx.Rngs(1)), prompts, sampling
+
+
+def test_slots_fill_idle_rows_in_request_order():
+    slots = Slots(7, rows=4, devices=1)
+    assert slots.sizes == [1, 2, 4]
+    first = slots.refill()
+    assert first.whole and first.size == 4 and list(first.rows) == [0, 1, 2, 3] and first.requests == [0, 1, 2, 3]
+    assert slots.refill() is None  # no idle row
+    slots.release(2)
+    slots.release(0)
+    second = slots.refill()
+    assert not second.whole and list(second.rows) == [0, 2] and second.requests == [4, 5] and second.size == 2
+    slots.release(1)
+    slots.release(3)
+    last = slots.refill()  # one request waits for two idle rows: a refill of one
+    assert list(last.rows) == [1] and last.requests == [6] and last.size == 1
+    assert list(slots.request_of) == [4, 6, 5, IDLE] and slots.refill() is None
+
+    fixed = Slots(5, rows=2, devices=1, continuous=False)
+    assert fixed.refill().requests == [0, 1]
+    fixed.release(0)
+    assert fixed.refill() is None  # fixed batches: wait for the whole batch
+    fixed.release(1)
+    assert fixed.refill().requests == [2, 3]
+    # On a mesh a refill is a multiple of the data-parallel devices.
+    assert Slots(3, rows=16, devices=4).sizes == [4, 8, 16]
+    assert Slots(3, rows=8, devices=8).sizes == [8]
+
+
+def test_the_batch_axis_of_every_state_leaf_is_found():
+    import jax.numpy as jnp
+
+    def make(batch):  # a layers-first cache leaf, a batch-first one, a per-row vector
+        return {"stacked": jnp.zeros((3, batch, 5)), "rows": jnp.zeros((batch, 7)), "lengths": jnp.zeros((batch,))}
+
+    assert row_axes(make) == {"stacked": 1, "rows": 0, "lengths": 0}
+    with pytest.raises(ValueError, match="cannot tell the batch axis"):
+        row_axes(lambda batch: jnp.zeros((batch, batch)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda target, drafter: AutoregressiveGenerator(target),
+    lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
+], ids=["target-only", "speculative"])
+def test_continuous_batching_generates_what_one_batch_does(tiny, make):
+    """13 requests, greedy and sampled, through 4 rows: every request's tokens are those it gets
+    when all 13 run as one batch (its own PRNG stream and step counter), in either batching mode;
+    refilling rows at once takes fewer steps than fixed batches."""
+    target, drafter, prompts, sampling = tiny
+    runner = make(target, drafter)
+    kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
+    one_batch = runner.generate(prompts, **kwargs)
+    assert {"stop", "length"} == set(one_batch.finish_reasons)
+    finished = []
+    inserts = counting_refills(runner)
+    continuous = runner.generate(prompts, batch_size=4, on_finish=lambda *f: finished.append(f), **kwargs)
+    assert continuous.tokens == one_batch.tokens and continuous.finish_reasons == one_batch.finish_reasons
+    assert sorted(i for i, _, _ in finished) == list(range(13))  # each request reported once, when done
+    assert all(tokens == one_batch.tokens[i] and reason == one_batch.finish_reasons[i] for i, tokens, reason in finished)
+    assert inserts and set(inserts) <= {1, 2, 4}, "rows were refilled while others decoded"
+    fixed = runner.generate(prompts, batch_size=4, continuous=False, **kwargs)
+    assert fixed.tokens == one_batch.tokens
+    steps = "steps" if isinstance(runner, AutoregressiveGenerator) else "rounds"
+    assert getattr(continuous, steps) < getattr(fixed, steps)
+
+
+@pytest.mark.parametrize("policy", [ThresholdPolicy(0.5), FixedPolicy(0)], ids=["threshold", "plain-rounds"])
+def test_continuous_greedy_speculative_decoding_is_the_targets_greedy_decoding(tiny, policy):
+    """Under a policy whose lengths weigh the rows in flight (threshold) or that runs plain rounds
+    (fixed:0 reuses the last block), refills keep greedy output equal to target-only decoding."""
+    target, drafter, prompts, _ = tiny
+    kwargs = dict(max_new_tokens=16, stop_ids=[STOP], max_len=48)
+    reference = AutoregressiveGenerator(target).generate(prompts, **kwargs)
+    decoder = SpeculativeDecoder(target, drafter, policy=policy)
+    inserts = counting_refills(decoder)
+    result = decoder.generate(prompts, batch_size=4, **kwargs)
+    assert result.tokens == reference.tokens and inserts
+
+
+def test_bad_batch_sizes_are_refused(tiny):
+    target, drafter, prompts, _ = tiny
+    with pytest.raises(ValueError, match="at least one row"):
+        AutoregressiveGenerator(target).generate(prompts, max_new_tokens=4, batch_size=0)
+    with pytest.raises(ValueError, match="tap_layers needs every prompt in one batch: 13 prompts, batch_size 4"):
+        AutoregressiveGenerator(target, tap_layers=(1,)).generate(prompts, max_new_tokens=4, batch_size=4)
