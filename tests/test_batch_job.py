@@ -83,15 +83,17 @@ def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_o
     assert "Paris" in records(output)[0]["completion"]
 
     # Timed anew, the table would choose other verify lengths and other sampled tokens.
-    def no_profiling(*args, **kwargs):
-        raise AssertionError("a resumed job profiled the target again")
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a resumed job profiled the target again, or a finished one decoded")
 
-    monkeypatch.setattr("dspark_jax.scheduler.profile.profile_round_costs", no_profiling)
-    for whole_lines in (2, 1):  # the sampled request's line half written; the first batch's second one
-        cut_after(output, whole_lines, 40)
-        batch(inputs, output, *spec)
-        assert output.read_bytes() == full, whole_lines
+    monkeypatch.setattr("dspark_jax.scheduler.profile.profile_round_costs", must_not_run)
+    cut_after(output, 1, 40)  # killed writing the first batch's second line: that batch runs again whole
+    batch(inputs, output, *spec)
+    assert output.read_bytes() == full
     assert "τ " in capsys.readouterr().err
+    monkeypatch.setattr("dspark_jax.decoding.speculative.SpeculativeDecoder.generate", must_not_run)
+    batch(inputs, output, *spec)  # finished: no batch runs again
+    assert output.read_bytes() == full and "(3 already done): 0 new tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, message", [

@@ -243,7 +243,7 @@ class BatchJob:
         # Fixed batches: a batch cut short by the kill runs again whole, so that its requests
         # share a batch as they did (its lines already written are not written again).
         first = resumed if self.continuous else resumed - resumed % self.batch_size
-        todo = list(requests[first:])
+        todo = list(requests[first:]) if resumed < len(requests) else []
         finished: dict[int, str] = {}  # position in ``todo`` -> its line, until the lines before it are written
         next_line = resumed - first
         generated = 0
