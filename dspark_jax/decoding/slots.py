@@ -6,7 +6,8 @@ prefilled as a small batch of their own and their per-row state (target cache ro
 context rows, anchor, PRNG keys, sampling parameters) is written into the freed rows by
 ``RowInserter``. Every request keeps its own PRNG stream and step counter, so what it generates
 does not depend on when it joined or on its neighbours, except through a batch-wide verify
-policy (threshold, scheduler), whose lengths weigh every row in flight.
+policy (threshold, scheduler), whose lengths weigh every row in flight, and through float
+rounding (its prefill's shape depends on the requests it joined with; ``docs/EXACTNESS.md``).
 
 Refill sizes are bucketed (a multiple of the mesh's data-parallel devices, doubling, up to
 ``rows``) so that only a few prefill shapes compile.
