@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""What building a target cache costs, two ways, on the same prompts in one process.
+"""What building a target cache costs, compared two ways on the same prompts in one process.
+
+``--compare forwards`` (default): where the stored arrays come from.
 
 * ``answer_forwards`` (what ``TargetCacheWriter`` does): the forwards that generate each answer
   (prefill, then a decode step per token) also return the tapped layers' outputs, and
@@ -15,13 +17,26 @@ untimed batch that compiles both. The JSON holds seconds per batch and per promp
 ratio, the response tokens, and how far the two ways' stored arrays are apart (they agree to one
 bf16 rounding step: a decode step and a whole-sequence forward round differently).
 
-    .venv/bin/python scripts/bench_cache.py                    # 5 batches of 16 prompts: ~6 min
-    .venv/bin/python scripts/bench_cache.py --quick            # one timed batch: ~2 min
+``--compare batching``: how a shard's prompts share the ``batch_size`` rows.
+
+* ``continuous`` (``CacheSpec(continuous=True)``): a finished answer's row takes the next prompt.
+* ``fixed`` (the default): fixed batches in order of prompt length, each row waiting for its
+  batch's longest answer.
+
+Both answer whole shards (``shard_size`` prompts) with the same seeds, alternating which goes
+first, after one untimed shard. The JSON holds seconds, decode steps and response tokens per shard
+for each, their ratio, and how many answers differ (none should: per-prompt seeds; only a float
+rounding flip between prefill shapes could change a sampled token).
+
+    .venv/bin/python scripts/bench_cache.py                       # 5 batches of 16 prompts: ~6 min
+    .venv/bin/python scripts/bench_cache.py --quick               # one timed batch: ~2 min
+    .venv/bin/python scripts/bench_cache.py --compare batching    # 2 shards of 64 prompts: ~12 min
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -39,37 +54,58 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO / "configs" / "smollm2_135m_dspark.py"),
                         help="training config whose prompts and cache settings to use")
-    parser.add_argument("--batches", type=int, default=5, help="timed batches (after one untimed)")
-    parser.add_argument("--quick", action="store_true", help="one timed batch")
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench_cache.json"))
+    parser.add_argument("--compare", choices=("forwards", "batching"), default="forwards",
+                        help="where the stored arrays come from, or how prompts share the rows")
+    parser.add_argument("--batches", type=int,
+                        help="timed batches (forwards, default 5) or shards (batching, default 2), after one untimed")
+    parser.add_argument("--quick", action="store_true", help="one timed batch or shard")
+    parser.add_argument("--out", help="JSON path (default docs/bench_cache.json, or bench_cache_batching.json)")
     args = parser.parse_args(argv)
+    if args.batches is None:
+        args.batches = 1 if args.quick else 5 if args.compare == "forwards" else 2
     if args.batches < 1:
         parser.error("--batches must be >= 1")
-    if args.quick:
-        args.batches = 1
+    if args.out is None:
+        args.out = str(REPO / "docs" / ("bench_cache.json" if args.compare == "forwards" else "bench_cache_batching.json"))
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket
     from dspark_jax.eval.bench import machine_info
-    from dspark_jax.training.target_cache import TargetCacheWriter, teacher_forced
+    from dspark_jax.training.target_cache import TargetCacheWriter
     from dspark_jax.training.train import load_config, load_target, render_prompts, training_prompts
 
     config = load_config(Path(args.config))
     spec = config.cache
-    if not spec.store_features:
+    if not spec.store_features and args.compare == "forwards":
         raise SystemExit(f"{args.config}: its cache stores token ids only (store_features=False); nothing to compare")
     target, tokenizer = load_target(config)
-    size = spec.batch_size
-    ids, _ = render_prompts(config, training_prompts(config)[: 2 * size * (args.batches + 1)], tokenizer)
-    if len(ids) < size * (args.batches + 1):
-        raise SystemExit(f"the config gives {len(ids)} prompts, fewer than {size * (args.batches + 1)}")
-    ids = sorted(ids[: size * (args.batches + 1)], key=len)  # the writer answers in prompt-length order
-    batches = [ids[i * size : (i + 1) * size] for i in range(args.batches + 1)]
+
+    def prompts(count: int) -> list[list[int]]:
+        """The config's first ``count`` training prompts, tokenized (over-long ones dropped)."""
+        ids, _ = render_prompts(config, training_prompts(config)[: 2 * count], tokenizer)
+        if len(ids) < count:
+            raise SystemExit(f"the config gives {len(ids)} prompts, fewer than {count}")
+        return ids[:count]
 
     writer = TargetCacheWriter(target, spec, tempfile.mkdtemp(), stop_ids=[tokenizer.eos_token_id])
+    compare = compare_forwards if args.compare == "forwards" else compare_batching
+    result = {"config": str(args.config), **compare(args, writer, prompts), "machine": machine_info()}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"seconds_per_prompt": result["seconds_per_prompt"], "speedup": round(result["speedup"], 3)}))
+    return 0
+
+
+def compare_forwards(args, writer, prompts) -> dict:
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket
+    from dspark_jax.training.target_cache import teacher_forced
+
+    target, spec = writer.target, writer.spec
+    size = spec.batch_size
+    ids = sorted(prompts(size * (args.batches + 1)), key=len)  # the writer answers in prompt-length order
+    batches = [ids[i * size : (i + 1) * size] for i in range(args.batches + 1)]
+
     plain = AutoregressiveGenerator(target)
     second = jax.jit(teacher_forced(target, spec.tap_layers))
 
@@ -114,26 +150,71 @@ def main(argv=None) -> int:
                     elements[name] += a.size
 
     total = {name: float(np.sum(s)) for name, s in seconds.items()}
-    prompts = size * args.batches
-    result = {
-        "config": str(args.config),
+    count = size * args.batches
+    return {
         "batch_size": size,
         "timed_batches": args.batches,
-        "prompts": prompts,
+        "prompts": count,
         "response_tokens": int(np.sum(tokens)),
         "seconds_per_batch": seconds,
-        "seconds_per_prompt": {name: t / prompts for name, t in total.items()},
+        "seconds_per_prompt": {name: t / count for name, t in total.items()},
         "speedup": total["second_forward"] / total["answer_forwards"],
         # Largest gap between the two ways' stored features and hidden states, over the RMS of the
         # sequence's values (one bf16 step is 2^-8 of a value), and the largest absolute lse gap.
         "max_gap": gaps,
         # Elements of each that differ by more than one bf16 step (and float32 noise), of all.
         "beyond_one_bf16_step": {name: [beyond[name], elements[name]] for name in beyond},
-        "machine": machine_info(),
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"seconds_per_prompt": result["seconds_per_prompt"], "speedup": round(result["speedup"], 3)}))
-    return 0
+
+
+def compare_batching(args, writer, prompts) -> dict:
+    """Continuous against fixed batches over whole shards, alternating which goes first."""
+    spec = writer.spec
+    size = spec.shard_size
+    ids = prompts(size * (args.batches + 1))
+    shards = [ids[i * size : (i + 1) * size] for i in range(args.batches + 1)]
+    generate, steps = writer.generator.generate, []
+
+    def counting_steps(*a, **kw):  # respond() keeps only the tokens; the steps are the result's
+        result = generate(*a, **kw)
+        steps.append(result.steps)
+        return result
+
+    writer.generator.generate = counting_steps
+    ways = {"continuous": dataclasses.replace(spec, continuous=True), "fixed": dataclasses.replace(spec, continuous=False)}
+    seconds, decode_steps = {name: [] for name in ways}, {name: [] for name in ways}
+    tokens, differing = [], 0
+    for index, shard in enumerate(shards):
+        order = list(ways) if index % 2 == 0 else list(reversed(ways))
+        answers = {}
+        for name in order:
+            start = time.perf_counter()
+            writer.spec = ways[name]  # respond() batches as its spec says; one writer compiles once for both
+            answers[name], _ = writer.respond(shard, index * size)
+            elapsed = time.perf_counter() - start
+            if index > 0:
+                seconds[name].append(elapsed)
+                decode_steps[name].append(steps[-1])
+            print(f"shard {index} {name}: {elapsed:.1f} s, {steps[-1]} steps", file=sys.stderr)
+        differing += sum(a != b for a, b in zip(answers["continuous"], answers["fixed"]))
+        if index > 0:
+            tokens.append(sum(len(a) for a in answers["continuous"]))
+
+    total = {name: float(np.sum(s)) for name, s in seconds.items()}
+    count = size * args.batches
+    return {
+        "shard_size": size,
+        "batch_size": spec.batch_size,
+        "timed_shards": args.batches,
+        "prompts": count,
+        "response_tokens": int(np.sum(tokens)),
+        "seconds_per_shard": seconds,
+        "decode_steps_per_shard": decode_steps,
+        "seconds_per_prompt": {name: t / count for name, t in total.items()},
+        "speedup": total["fixed"] / total["continuous"],
+        # Answers (of every shard, the untimed one too) that differ between the two ways.
+        "differing_answers": differing,
+    }
 
 
 if __name__ == "__main__":

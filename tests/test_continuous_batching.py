@@ -1,5 +1,7 @@
 """Continuous batching: more requests than rows, a finished request's row refilled with the next."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -9,7 +11,9 @@ from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.slots import IDLE, Slots, row_axes
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, ThresholdPolicy
 from dspark_jax.drafter.model import Drafter
+from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter
 from tests.refills import counting_refills
+from tests.stored_arrays import assert_same_stored_arrays
 from tests.tiny import sharp_tiny_target
 
 STOP = 2
@@ -43,12 +47,15 @@ def test_slots_fill_idle_rows_in_request_order():
     last = slots.refill()  # one request waits for two idle rows: a refill of one
     assert list(last.rows) == [1] and last.requests == [6] and last.size == 1
     assert list(slots.request_of) == [4, 6, 5, IDLE] and slots.refill() is None
+    slots.release(0)
+    assert slots.refill(held=[0, 3]) is None  # held rows are not refilled yet
 
     fixed = Slots(5, rows=2, devices=1, continuous=False)
     assert fixed.refill().requests == [0, 1]
     fixed.release(0)
     assert fixed.refill() is None  # fixed batches: wait for the whole batch
     fixed.release(1)
+    assert fixed.refill(held=[1]) is None  # a held row counts as busy
     assert fixed.refill().requests == [2, 3]
     # On a mesh a refill is a multiple of the data-parallel devices.
     assert Slots(3, rows=16, devices=4).sizes == [4, 8, 16]
@@ -109,5 +116,49 @@ def test_bad_batch_sizes_are_refused(tiny):
     target, drafter, prompts, _ = tiny
     with pytest.raises(ValueError, match="at least one row"):
         AutoregressiveGenerator(target).generate(prompts, max_new_tokens=4, batch_size=0)
-    with pytest.raises(ValueError, match="tap_layers needs every prompt in one batch: 13 prompts, batch_size 4"):
-        AutoregressiveGenerator(target, tap_layers=(1,)).generate(prompts, max_new_tokens=4, batch_size=4)
+
+
+@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "fixed"])
+def test_taps_under_refills_are_those_of_one_batch(tiny, continuous):
+    """With tap layers (what the target cache stores), every request gets its taps at every
+    position of prompt + answer, as in one batch, although rows are refilled: the last token of a
+    finished request is tapped by the step after it, before its row takes the next request."""
+    target, _, prompts, sampling = tiny
+    generator = AutoregressiveGenerator(target, tap_layers=(0, 2))
+    kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
+    one_batch = generator.generate(prompts, **kwargs)
+    assert min(map(len, one_batch.tokens)) == 1, "a request stops at its first token"
+    inserts = counting_refills(generator)
+    refilled = generator.generate(prompts, batch_size=4, continuous=continuous, **kwargs)
+    assert refilled.tokens == one_batch.tokens and bool(inserts) == continuous
+    for prompt, tokens, taps, expected in zip(prompts, refilled.tokens, refilled.taps, one_batch.taps):
+        assert taps.shape == (len(prompt) + len(tokens), 2 * target.cfg.hidden_size)
+        # A refill's prefill pads its prompts to another width than the one batch's: attention then
+        # sums over another number of masked keys, which moves float32 rounding (≈ 2e-6 here); a
+        # tap from the wrong position or request would be off by O(1).
+        np.testing.assert_allclose(taps, expected, rtol=0, atol=1e-5)
+
+
+def test_the_cache_writer_answers_a_shard_through_refills(tiny, tmp_path):
+    """The target cache writer answers a shard's 13 prompts 4 rows at a time: in fixed batches
+    and by continuous batching (``CacheSpec.continuous``) each prompt gets the answer and stored
+    arrays it gets when the shard is one batch (the arrays to the rounding of another prefill
+    width, then bf16 storage)."""
+    target, _, prompts, _ = tiny
+    spec = CacheSpec(tap_layers=(0,), max_new_tokens=16, max_prompt_tokens=16, temperature=1.0, top_k=6,
+                     top_p=1.0, shard_size=13, batch_size=13, min_response_tokens=1)
+
+    def respond(**changes):
+        writer = TargetCacheWriter(target, dataclasses.replace(spec, **changes), tmp_path, stop_ids=[STOP])
+        inserts = counting_refills(writer.generator)
+        return writer.respond(prompts, 0), inserts
+
+    (answers, arrays), _ = respond()
+    assert min(map(len, answers)) == 1 and max(map(len, answers)) == 16
+    _, head = target.embedding_and_head(target.params)
+    for continuous in (True, False):
+        (refilled, refilled_arrays), inserts = respond(batch_size=4, continuous=continuous)
+        assert refilled == answers and bool(inserts) == continuous
+        for prompt, answer, got, want in zip(prompts, answers, refilled_arrays, arrays):
+            assert len(got[0]) == len(prompt) + len(answer)
+            assert_same_stored_arrays(got, want, head)

@@ -43,6 +43,7 @@ from dspark_jax.training.train import (
     train_together,
 )
 from tests.multidevice import run_on_eight_devices
+from tests.stored_arrays import assert_same_stored_arrays, assert_within_one_bf16_step
 from tests.tiny import tiny_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,12 +170,7 @@ def test_cache_from_the_answers_own_forwards_equals_one_forward_over_each_sequen
     for seq in sequences[:4]:
         n = len(seq.input_ids)
         features, hidden, lse = jax.device_get(run(target.params, seq.input_ids[None], np.asarray([n], np.int32)))
-        for name, got, want in (("features", seq.features, features[0]), ("hidden", seq.hidden, hidden[0])):
-            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-            assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
-        hidden_gap = np.abs(np.asarray(seq.hidden, np.float32) - np.asarray(hidden[0], np.float32))
-        logit_gap = (hidden_gap @ np.abs(np.asarray(head)).T).max(axis=-1)
-        assert (np.abs(seq.lse - lse[0]) <= logit_gap + 1e-4).all()
+        assert_same_stored_arrays((seq.features, seq.hidden, seq.lse), (features[0], hidden[0], lse[0]), head)
 
 
 @pytest.fixture
@@ -318,9 +314,7 @@ def test_training_on_token_ids_computes_the_features_the_cache_holds(tiny_parts)
     real = np.arange(config.seq_len)[None, :] < cached.lengths_B[:, None]
     for name in ("features_BxSxF", "target_hidden_BxSxD"):
         want = np.asarray(getattr(cached, name), np.float32)[real]
-        got = np.asarray(getattr(filled, name), np.float32)[real]
-        # One bf16 step (2^-7 relative at most) of float32 values that agree to rounding (1e-5).
-        assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
+        assert_within_one_bf16_step(np.asarray(getattr(filled, name), np.float32)[real], want, name)
     drafter = build_drafter(drafter_config(config, target.cfg), seed=0,
                             draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
     embed, head = target.embedding_and_head(target.params)
@@ -699,11 +693,11 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
 
 
 def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_rows(tmp_path):
-    """The target cache written on an 8-device mesh (simulated CPU devices, fresh process) holds
-    the 1-device cache's answers, and its arrays to float rounding; the compiled prefill, decode
-    step and stored-array pass have no collective at all (sampling included: ``lax.top_k`` on a
-    row-split batch would gather every row's logits everywhere); a batch that cannot split is
-    refused by name."""
+    """The target cache written on an 8-device mesh (simulated CPU devices, fresh process; a shard
+    of 12 prompts through 8 rows, refilled as answers finish) holds the 1-device cache's answers,
+    and its arrays to float rounding; the compiled prefill, decode step and stored-array pass have
+    no collective at all (sampling included: ``lax.top_k`` on a row-split batch would gather every
+    row's logits everywhere); a batch that cannot split is refused by name."""
     script = textwrap.dedent("""
         import json, sys
         import jax, jax.numpy as jnp
@@ -711,6 +705,7 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         from jax.sharding import Mesh
         assert len(jax.devices()) == 8, jax.devices()
         from tests.multidevice import collectives, value_errors
+        from tests.refills import counting_refills
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter, load_target_cache
         from tests.tiny import tiny_target
@@ -720,10 +715,13 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         prompts = [rng.integers(1, 300, size=n).tolist() for n in rng.integers(3, 24, size=12)]
         names = [f"p{i}" for i in range(12)]
         spec = CacheSpec(tap_layers=(0, 1), max_new_tokens=16, max_prompt_tokens=32, temperature=0.7,
-                         top_p=0.8, top_k=20, shard_size=6, batch_size=8, min_response_tokens=1)
+                         top_p=0.8, top_k=20, shard_size=12, batch_size=8, min_response_tokens=1,
+                         continuous=True)
         mesh = Mesh(np.asarray(jax.devices()), ("data",))
-        writers = {name: TargetCacheWriter(target, spec, sys.argv[1] + "/" + name, stop_ids=[2], mesh=m)
+        # Stop ids the answers use, so that answers end at different steps and rows are refilled.
+        writers = {name: TargetCacheWriter(target, spec, sys.argv[1] + "/" + name, stop_ids=[2, 36, 138], mesh=m)
                    for name, m in (("one", None), ("eight", mesh))}
+        inserts = counting_refills(writers["eight"].generator)
         caches = {}
         for name, writer in writers.items():
             writer.build(prompts, names, progress=False)
@@ -741,10 +739,11 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         errors = value_errors(lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
                                                         stop_ids=[2], mesh=mesh),
                               lambda: g.generate(prompts[:3], max_new_tokens=4))
-        print(json.dumps({"caches": caches, "collectives": counts, "errors": errors}))
+        print(json.dumps({"caches": caches, "collectives": counts, "errors": errors, "inserts": inserts}))
     """).replace("dataclasses_replace", "__import__('dataclasses').replace")
     report = run_on_eight_devices(script, str(tmp_path))
     assert report["collectives"] == {"prefill": 0, "decode": 0, "stored": 0}, report["collectives"]
+    assert report["inserts"] and set(report["inserts"]) == {8}, "refills of one row per device"
     one, eight = report["caches"]["one"], report["caches"]["eight"]
     assert len(one) == len(eight) == 12
     small = tiny_target(vocab_size=300)  # the subprocess's target: seeded, so the same weights
@@ -753,12 +752,8 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         # Per-request seeds: a request's answer does not depend on how its batch is split.
         assert a["input_ids"] == b["input_ids"]
         # Each device multiplies its own rows: float32 sums round differently, then bf16 storage.
-        for name in ("features", "hidden"):
-            got, want = np.asarray(b[name]), np.asarray(a[name])
-            assert (np.abs(got - want) <= 2.0**-7 * np.maximum(np.abs(got), np.abs(want)) + 1e-5).all(), name
-        # lse is 1-Lipschitz in the max norm: it moves no more than the two hidden states' logits.
-        logit_gap = (np.abs(np.asarray(b["hidden"]) - np.asarray(a["hidden"])) @ np.abs(np.asarray(head)).T).max(axis=-1)
-        assert (np.abs(np.asarray(b["lse"]) - np.asarray(a["lse"])) <= logit_gap + 1e-4).all()
+        stored = ("features", "hidden", "lse")
+        assert_same_stored_arrays([b[k] for k in stored], [a[k] for k in stored], head)
     not_divisible, not_split = report["errors"]
     assert not_divisible is not None and "batch_size 6 is not divisible by the mesh's 8" in not_divisible
     assert not_split is not None and "a batch of 3 requests does not split" in not_split

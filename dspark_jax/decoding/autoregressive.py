@@ -162,7 +162,8 @@ class AutoregressiveGenerator:
     ``tap_layers`` (ascending decoder-layer ids) makes ``generate`` also return those layers' raw
     outputs at every position of prompt + answer (``GenerationResult.taps``), as the forwards that
     produced the answer computed them: what a target cache stores, without a second pass over the
-    finished sequences.
+    finished sequences. Under continuous batching a finished request's last token is tapped by
+    the next step, so its row joins the next refill one step later.
 
     ``mesh`` (a ``jax.sharding.Mesh`` with a ``data`` axis) splits every batch across its devices
     by rows, the weights replicated: each device generates for its own rows, and the batch size
@@ -279,31 +280,39 @@ class AutoregressiveGenerator:
         slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
         batch = slots.rows
         self.rows.check_batch(batch)
-        if self.tap_layers and batch < count:
-            raise ValueError(f"tap_layers needs every prompt in one batch: {count} prompts, batch_size {batch}")
         if max_len is None:
             max_len = self.cache_len_for(requests.lens, max_new_tokens)
         requests.check_fits(max_new_tokens, self.slack, max_len)
-        lens = requests.lens
         stops = set(int(s) for s in stop_ids)
         completions = Completions(slots, count, max_new_tokens, on_finish)
         out = completions.tokens
         # Taps per request: the prompt's from prefill, then each generated token's from the step
-        # that feeds it (a finished row's last token is fed by the next step all the same).
+        # that feeds it. A finished request's last token is fed by the step after it finishes (its
+        # row inactive), so with taps that row is held from refills until after that step:
+        # ``untapped`` maps such rows to the request still owed the tap.
         taps = [[] for _ in range(count)] if self.tap_layers else None
-        tapped = np.array(lens)
+        untapped: dict[int, int] = {}
+
+        def emit(rows, tokens) -> None:
+            before = slots.request_of.copy()
+            for row, token in zip(rows, tokens):
+                completions.emit(row, [token], int(token) in stops)
+            if taps is not None:
+                finished = np.flatnonzero((before != IDLE) & (slots.request_of == IDLE))
+                untapped.update((int(row), int(before[row])) for row in finished)
 
         def record_taps(step_taps) -> None:
             step_taps = np.asarray(step_taps)
-            for row in np.flatnonzero(tapped < np.asarray([n + len(t) for n, t in zip(lens, out)])):
-                taps[row].append(step_taps[row : row + 1])
-                tapped[row] += 1
+            fed = {int(row): int(slots.request_of[row]) for row in np.flatnonzero(slots.active)}
+            for row, request in {**fed, **untapped}.items():
+                taps[request].append(step_taps[row : row + 1])
+            untapped.clear()
 
         state = None  # (cache, last token, keys, sampling parameters), per row
         prefill_s = decode_s = 0.0
         steps = 0
         while True:
-            while (fill := slots.refill()) is not None:
+            while (fill := slots.refill(held=untapped)) is not None:
                 rows, joining, size, whole = fill
                 start = time.perf_counter()
                 padded, fill_lens, params, keys = requests.pick(joining + joining[:1] * (size - len(joining)))
@@ -319,11 +328,10 @@ class AutoregressiveGenerator:
                 if taps is not None:
                     for i, (request, n) in enumerate(zip(joining, fill_lens)):
                         taps[request].append(np.asarray(prompt_taps[i, :n]))
-                for row, token in zip(rows, first):
-                    completions.emit(row, [token], int(token) in stops)
+                emit(rows, first)
                 if on_step is not None:
                     on_step(first)
-            if not slots.active.any():
+            if not slots.active.any() and not untapped:
                 break
             start = time.perf_counter()
             cache, token_B, keys, params = state
@@ -336,18 +344,12 @@ class AutoregressiveGenerator:
             if taps is not None:
                 record_taps(step_taps)
             token_np = np.asarray(token_B)
-            for row in np.flatnonzero(slots.active):
-                completions.emit(row, token_np[row : row + 1], int(token_np[row]) in stops)
+            active_rows = np.flatnonzero(slots.active)
+            emit(active_rows, token_np[active_rows])
             if on_step is not None:
                 on_step(token_np)
-            steps += 1
+            steps += bool(active_rows.size)  # not a step that only taps finished rows' last tokens
             decode_s += time.perf_counter() - start
         if taps is not None:
-            # The last rows to finish have their last token fed by no step yet: one more forward,
-            # which commits nothing (every row inactive).
-            cache, token_B, keys, params = state
-            idle_B, zeros_B = self.on_rows((jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32)))
-            _, _, step_taps = self._decode_step(self.params, cache, token_B, idle_B, zeros_B, keys, params)
-            record_taps(step_taps)
             taps = [np.concatenate(parts) for parts in taps]
         return GenerationResult(out, completions.reasons, prefill_s, decode_s, steps, taps)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
 
 import jax
@@ -60,9 +60,12 @@ class Slots:
     def release(self, row: int) -> None:
         self.request_of[row] = IDLE
 
-    def refill(self) -> Refill | None:
-        """The next waiting requests for the idle rows, if it is time to refill."""
-        idle = np.flatnonzero(self.request_of == IDLE)
+    def refill(self, held: Collection[int] = ()) -> Refill | None:
+        """The next waiting requests for the idle rows, if it is time to refill. ``held``: idle
+        rows not to refill yet (they count as busy)."""
+        free = self.request_of == IDLE
+        free[list(held)] = False
+        idle = np.flatnonzero(free)
         if not self.waiting or not idle.size or (not self.continuous and idle.size < self.rows):
             return None
         count = min(idle.size, len(self.waiting))

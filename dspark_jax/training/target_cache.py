@@ -76,6 +76,11 @@ class CacheSpec:
     batch_size: int = 16
     # False: token ids and loss masks only; training computes the features (module doc).
     store_features: bool = True
+    # True: a shard's answers share the batch_size rows by continuous batching (a finished answer's
+    # row takes the next prompt) instead of fixed batches. It pays where answers often stop well
+    # before max_new_tokens; where most run to it, fixed batches are already full and the refills'
+    # extra prefill shapes cost compiles (docs/BENCHMARKS.md, "Building the target cache").
+    continuous: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
@@ -279,30 +284,27 @@ class TargetCacheWriter:
         return len(shards)
 
     def respond(self, prompts, first_index: int) -> tuple[list[list[int]], list[tuple | None]]:
-        """The target's responses, in batches of ``batch_size`` sorted by prompt length, and per
-        response the stored arrays of prompt + response (``None`` without ``store_features``)."""
+        """The target's responses, ``batch_size`` rows at a time with the prompts taken shortest
+        first (fixed batches, or continuous batching with ``spec.continuous``), and per response
+        the stored arrays of prompt + response (``None`` without ``store_features``). Per-prompt
+        seeds: a prompt's response does not depend on its batch."""
         spec = self.spec
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        result = self.generator.generate(
+            [prompts[i] for i in order],
+            max_new_tokens=spec.max_new_tokens,
+            sampling=spec.sampling,
+            seeds=[spec.seed * 1_000_003 + first_index + i for i in order],
+            stop_ids=self.stop_ids,
+            max_len=self.max_len,
+            batch_size=spec.batch_size,
+            continuous=spec.continuous,
+        )
         responses: list[list[int]] = [[] for _ in prompts]
         per_token: list[tuple | None] = [None for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for lo in range(0, len(order), spec.batch_size):
-            rows = order[lo : lo + spec.batch_size]
-            # Pad the batch with copies so every batch has the same shape (no recompilation).
-            padded = rows + [rows[-1]] * (spec.batch_size - len(rows))
-            result = self.generator.generate(
-                [prompts[i] for i in padded],
-                max_new_tokens=spec.max_new_tokens,
-                sampling=spec.sampling,
-                # Per-prompt seeds: a prompt's response does not depend on its batch.
-                seeds=[spec.seed * 1_000_003 + first_index + i for i in padded],
-                stop_ids=self.stop_ids,
-                max_len=self.max_len,
-            )
-            for row, i in enumerate(rows):
-                responses[i] = result.tokens[row]
-            if result.taps is not None:
-                for i, stored in zip(rows, self._stored(result.taps[: len(rows)])):
-                    per_token[i] = stored
+        stored = self._stored(result.taps) if result.taps is not None else [None] * len(prompts)
+        for i, tokens, arrays in zip(order, result.tokens, stored):
+            responses[i], per_token[i] = tokens, arrays
         return responses, per_token
 
     def _stored(self, taps: list[np.ndarray]) -> list[tuple]:
