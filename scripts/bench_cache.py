@@ -30,7 +30,7 @@ rounding flip between prefill shapes could change a sampled token).
 
     .venv/bin/python scripts/bench_cache.py                       # 5 batches of 16 prompts: ~6 min
     .venv/bin/python scripts/bench_cache.py --quick               # one timed batch: ~2 min
-    .venv/bin/python scripts/bench_cache.py --compare batching    # 2 shards of 64 prompts: ~12 min
+    .venv/bin/python scripts/bench_cache.py --compare batching    # 1 + 2 shards of 64, each way: ~45 min
 """
 
 from __future__ import annotations
