@@ -47,8 +47,12 @@ def test_slots_fill_idle_rows_in_request_order():
     last = slots.refill()  # one request waits for two idle rows: a refill of one
     assert list(last.rows) == [1] and last.requests == [6] and last.size == 1
     assert list(slots.request_of) == [4, 6, 5, IDLE] and slots.refill() is None
-    slots.release(0)
-    assert slots.refill(held=[0, 3]) is None  # held rows are not refilled yet
+    held = Slots(3, rows=2, devices=1)
+    held.refill()
+    held.release(0)
+    held.release(1)
+    joined = held.refill(held=[0])  # a held row is not refilled yet
+    assert list(joined.rows) == [1] and joined.requests == [2] and not joined.whole
 
     fixed = Slots(5, rows=2, devices=1, continuous=False)
     assert fixed.refill().requests == [0, 1]
