@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,32 +26,11 @@ def load_target(checkpoint: str | None):
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path)
     if path.is_dir():
-        from tokenizers import Tokenizer as HFTokenizer
-
         from dspark_jax.checkpoints.hf import load_hf_checkpoint
         from dspark_jax.tokenizer import Tokenizer
 
-        target = load_hf_checkpoint(path)
-        if not (path / "tokenizer.json").exists():
-            raise SystemExit(f"{path} has no tokenizer.json; cannot turn text into tokens")
-        config = {}
-        if (path / "tokenizer_config.json").exists():
-            config = json.loads((path / "tokenizer_config.json").read_text())
-        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
-
-        def token_id(name):
-            token = config.get(name)
-            token = token.get("content") if isinstance(token, dict) else token
-            return None if token is None else backend.token_to_id(token)
-
-        tokenizer = Tokenizer(
-            backend,
-            bos_token_id=token_id("bos_token"),
-            eos_token_id=token_id("eos_token"),
-            pad_token_id=token_id("pad_token"),
-            chat_template=config.get("chat_template"),
-        )
-        return target, tokenizer
+        tokenizer = Tokenizer.from_directory(path)  # before the weights: a missing tokenizer fails fast
+        return load_hf_checkpoint(path), tokenizer
     raise SystemExit(f"--checkpoint must be a .gguf file or an HF checkpoint directory: {checkpoint}")
 
 
@@ -388,13 +366,9 @@ def cmd_convert(args) -> int:
     from dspark_jax.checkpoints.hf import save_hf_checkpoint
 
     source = Path(args.gguf) if args.gguf else embedded_gguf_path()
-    target, tokenizer = load_gguf(source)
+    target, tokenizer = load_gguf(source, cache=False)  # the user asked for one copy, not two
     out = save_hf_checkpoint(target.module(), args.out)
-    tokenizer.backend.save(str(Path(out) / "tokenizer.json"))
-    special = tokenizer.special_tokens_map
-    (Path(out) / "tokenizer_config.json").write_text(
-        json.dumps({**special, "chat_template": tokenizer.chat_template}, indent=2)
-    )
+    tokenizer.save(out)
     print(f"wrote HF checkpoint to {out}")
     return 0
 
@@ -597,7 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dspark_jax.user_cache import enable_compilation_cache
+
     args = build_parser().parse_args(argv)
+    enable_compilation_cache()  # a second run loads its programs instead of compiling them again
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as error:  # bad input: a clear message, not a traceback

