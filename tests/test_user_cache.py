@@ -137,6 +137,17 @@ def test_a_gguf_is_converted_once_and_later_loads_read_the_copy(tiny_gguf, cache
     assert again.cfg == target.cfg
 
 
+def test_a_damaged_copy_is_converted_again(tiny_gguf, cache_dir):
+    path, written = tiny_gguf
+    load_gguf(path)
+    copy = converted_copy_dir(path)
+    (copy / "model.safetensors").write_bytes(b"truncated")
+    with pytest.warns(UserWarning, match="unreadable.*converting .* again"):
+        target, _ = load_gguf(path)
+    assert_same_weights(target, written)
+    assert_same_weights(load_gguf(path)[0], written)  # from the rebuilt copy, without a warning
+
+
 def test_a_changed_file_gets_a_fresh_copy(tiny_gguf, cache_dir):
     path, _ = tiny_gguf
     load_gguf(path)

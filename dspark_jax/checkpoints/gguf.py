@@ -256,13 +256,19 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
 
     With ``cache`` (and the user cache on), a model whose float32 weights fit in
     ``CONVERTED_COPY_MAX_BYTES`` is converted once and kept as an HF checkpoint directory
-    (``converted_copy_dir``); later loads read that copy, the same tensors, in a third of the time.
+    (``converted_copy_dir``); later loads read that copy, the same tensors, in a quarter of the time
+    (3.0 s against 13.3 s for the embedded target here). A copy that cannot be read is converted again.
     """
     from gguf import GGUFReader
 
     copy = converted_copy_dir(path) if cache else None
     if copy is not None and copy.is_dir():
-        return load_hf_checkpoint(copy, dtype), Tokenizer.from_directory(copy)
+        try:
+            return load_hf_checkpoint(copy, dtype), Tokenizer.from_directory(copy)
+        except Exception as error:  # tokenizers raises a bare Exception; a damaged copy is rebuilt
+            warnings.warn(f"the converted copy in {copy} is unreadable ({error}); converting {path} again",
+                          stacklevel=2)
+            shutil.rmtree(copy, ignore_errors=True)
     reader = GGUFReader(str(path))
     cfg = config_from_gguf(reader)
     tensors = hf_tensors_from_gguf(reader, cfg)
