@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import gguf
@@ -135,6 +136,20 @@ def test_a_gguf_is_converted_once_and_later_loads_read_the_copy(tiny_gguf, cache
     assert_same_weights(again, written)
     assert_same_tokenizer(again_tokenizer, tokenizer)
     assert again.cfg == target.cfg
+
+
+def test_a_copy_left_half_written_by_a_killed_process_is_removed_when_old(tiny_gguf, cache_dir):
+    path, written = tiny_gguf
+    copy = converted_copy_dir(path)
+    abandoned, in_progress = copy.parent / f".{copy.name}-killed", copy.parent / f".{copy.name}-writing"
+    for staging in (abandoned, in_progress):
+        staging.mkdir(parents=True)
+        (staging / "config.json").write_text("{")
+    two_hours_ago = time.time() - 7200
+    os.utime(abandoned, (two_hours_ago, two_hours_ago))
+    assert_same_weights(load_gguf(path)[0], written)
+    assert sorted(p.name for p in copy.parent.iterdir()) == sorted([copy.name, in_progress.name])
+    assert_same_weights(load_gguf(path)[0], written)
 
 
 def test_a_damaged_copy_is_converted_again(tiny_gguf, cache_dir):

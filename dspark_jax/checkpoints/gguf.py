@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -64,6 +65,7 @@ _GLOBAL_TENSORS = {
 _CONTROL, _USER_DEFINED = 3, 4
 # Larger models are not copied: their float32 copy would cost more disk than a load saves time.
 CONVERTED_COPY_MAX_BYTES = 2 << 30
+_ABANDONED_AFTER_S = 3600
 
 
 def embedded_gguf_path() -> Path:
@@ -238,8 +240,12 @@ def converted_copy_dir(path: str | os.PathLike) -> Path | None:
 
 def _keep_converted_copy(directory: Path, cfg: TargetConfig, tensors, tokenizer: Tokenizer) -> None:
     """Write the copy under a temporary name and rename it into place: a load never sees a partial
-    copy, and of two processes converting at once the first rename wins. A failure costs only speed."""
+    copy, and of two processes converting at once the first rename wins. A failure costs only speed.
+    Temporary copies an hour old were left by a killed process (writing one takes seconds): removed."""
     directory.parent.mkdir(parents=True, exist_ok=True)
+    for abandoned in directory.parent.glob(f".{directory.name}-*"):
+        if time.time() - abandoned.stat().st_mtime > _ABANDONED_AFTER_S:
+            shutil.rmtree(abandoned, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}-"))
     try:
         save_hf_tensors(cfg, tensors, staging)
