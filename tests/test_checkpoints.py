@@ -19,7 +19,7 @@ from dspark_jax.checkpoints.hf import (
     save_hf_checkpoint,
 )
 from dspark_jax.config import TargetConfig
-from tests.tiny import tiny_config, tiny_target
+from tests.tiny import llama_cpp_permute, tiny_config, tiny_target
 
 QWEN3 = dict(qk_norm=True, head_dim=24, tie_word_embeddings=False, architecture="qwen3")
 
@@ -159,10 +159,6 @@ def test_invalid_target_configs(overrides, match):
 
 def test_unpermute_inverts_llama_cpp_permutation():
     """llama.cpp's converter permutes q/k rows (`permute` in convert_hf_to_gguf.py); we undo it."""
-
-    def llama_cpp_permute(w, n_head):
-        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
     w = np.random.default_rng(0).normal(size=(3 * 8, 5)).astype(np.float32)
     permuted = llama_cpp_permute(w, 3)
     assert not np.array_equal(permuted, w)

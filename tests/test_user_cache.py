@@ -19,7 +19,7 @@ from dspark_jax import cli
 from dspark_jax.checkpoints import gguf as gguf_loading
 from dspark_jax.checkpoints.gguf import converted_copy_dir, load_gguf
 from dspark_jax.checkpoints.hf import hf_tensors_from_module
-from tests.tiny import tiny_target
+from tests.tiny import llama_cpp_permute, tiny_target
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "o Ġ", "Ġ w"]
@@ -32,13 +32,6 @@ _GGUF_NAMES = {hf_name: kind for kind, hf_name in gguf_loading._LAYER_TENSORS.it
 def _vocabulary() -> list[str]:
     byte_level = sorted(pre_tokenizers.ByteLevel.alphabet())
     return byte_level + [m.replace(" ", "") for m in MERGES] + SPECIAL
-
-
-def _llama_cpp_permute(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows, which the loader undoes."""
-    out = weight_OxI.shape[0]
-    return weight_OxI.reshape(num_heads, 2, out // num_heads // 2, *weight_OxI.shape[1:]).swapaxes(1, 2).reshape(
-        weight_OxI.shape)
 
 
 def write_tiny_gguf(path: Path, seed: int = 0):
@@ -76,7 +69,7 @@ def write_tiny_gguf(path: Path, seed: int = 0):
             layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
             kind = _GGUF_NAMES[hf_name.removesuffix(".weight")]
             if kind in ("attn_q", "attn_k"):
-                value = _llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+                value = llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
             name = f"blk.{layer}.{kind}.weight"
         writer.add_tensor(name, value)
     writer.write_header_to_file()

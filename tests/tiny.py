@@ -1,6 +1,7 @@
 """Tiny random targets for unit tests."""
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
@@ -35,3 +36,11 @@ def sharp_tiny_target(seed: int = 3, vocab_size: int = 12, num_layers: int = 4, 
     module = tiny_target(seed=seed, vocab_size=vocab_size, num_layers=num_layers).module()
     module.embed[...] = module.embed[...] * scale
     return TargetModel.from_module(module)
+
+
+def llama_cpp_permute(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter (`permute` in convert_hf_to_gguf.py) does to q/k rows, which the
+    GGUF loader undoes."""
+    out = weight_OxI.shape[0]
+    return weight_OxI.reshape(num_heads, 2, out // num_heads // 2, *weight_OxI.shape[1:]).swapaxes(1, 2).reshape(
+        weight_OxI.shape)
