@@ -168,10 +168,13 @@ def cmd_generate(args) -> int:
 def cmd_batch(args) -> int:
     """Every request of a JSONL file, batched with continuous batching (split over the devices with
     --data-parallel), completions appended to a JSONL file in input order as they finish; a rerun
-    resumes a killed job."""
+    resumes a killed job. Several processes (``--distributed`` ...) each answer their share of the
+    requests on their own devices, and process 0 then writes the output from their parts."""
+    join_processes(args)
     import jax
     import numpy as np
 
+    from dspark_jax import multihost
     from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding import batch_job
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
@@ -181,7 +184,7 @@ def cmd_batch(args) -> int:
         raise SystemExit("--policy needs --drafter")
     mesh = None
     if args.data_parallel:
-        devices = jax.devices()
+        devices = jax.local_devices()  # with several processes, each splits its own share
         if args.batch_size % len(devices):
             raise SystemExit(f"--data-parallel splits each batch over {len(devices)} devices: "
                              f"--batch-size {args.batch_size} is not a multiple of {len(devices)}")
@@ -190,12 +193,18 @@ def cmd_batch(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.drafter is not None:
         check_drafter_arg(args.drafter)
+    # Every process checks that the output is this job's before any work starts.
     job = batch_job.BatchJob(args.input, args.output, {
         "checkpoint": args.checkpoint, "drafter": args.drafter, "policy": args.policy, "chat": args.chat,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches})
+    process, processes = jax.process_index(), jax.process_count()
+    own_job = job if processes == 1 else job.part(process, processes)
     target, tokenizer = load_target(args.checkpoint)
     requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
+    own_requests = batch_job.process_share(requests, process, processes)
+    if not own_requests:
+        raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     costs = None
     if args.drafter is not None:
@@ -204,10 +213,10 @@ def cmd_batch(args) -> int:
         name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
         if note:
             print(f"note: {note}", file=sys.stderr)
-        if isinstance(policy, SchedulerPolicy) and job.scheduler_costs:  # a resumed job schedules as it started
-            policy = SchedulerPolicy.from_tables(job.scheduler_costs, policy.calibrations)
+        if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
+            policy = SchedulerPolicy.from_tables(own_job.scheduler_costs, policy.calibrations)
         # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
-        longest = max(len(r.ids) for r in requests)
+        longest = max(len(r.ids) for r in own_requests)
         runner = make_decoder(
             target, drafter, policy, profile_batches=(args.batch_size,), mesh=mesh,
             profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
@@ -223,15 +232,23 @@ def cmd_batch(args) -> int:
         described = "none (target-only decoding)"
     devices = "" if mesh is None else f", split over {mesh.size} devices"
     batching = "fixed batches" if args.fixed_batches else "continuous batching"
-    print(f"{len(requests)} requests from {args.input}, {batching} of {args.batch_size} rows{devices}; "
+    share = "" if processes == 1 else f" (process {process} of {processes}: {len(own_requests)} of them)"
+    print(f"{len(requests)} requests from {args.input}{share}, {batching} of {args.batch_size} rows{devices}; "
           f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
-    summary = job.run(requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
-                      stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress)
+    summary = own_job.run(own_requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
+                          stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress and multihost.is_lead())
     resumed = f" ({summary['resumed']} already done)" if summary["resumed"] else ""
     tau = "" if summary["tau"] is None else f", τ {summary['tau']:.2f}"
-    print(f"wrote {summary['requests']} completions to {args.output}{resumed}: {summary['completion_tokens']} new tokens "
-          f"in {summary['seconds']:.1f} s (compiling included), {summary['tokens_per_s']:.1f} tokens/s{tau}",
+    print(f"wrote {summary['requests']} completions to {own_job.output}{resumed}: {summary['completion_tokens']} new "
+          f"tokens in {summary['seconds']:.1f} s (compiling included), {summary['tokens_per_s']:.1f} tokens/s{tau}",
           file=sys.stderr)
+    if processes > 1:
+        multihost.barrier(f"batch job parts {job.output}")
+        if multihost.is_lead():
+            job.merge(requests, processes)
+            print(f"wrote {len(requests)} completions to {job.output}, from the {processes} processes' parts",
+                  file=sys.stderr)
+        multihost.barrier(f"batch job merged {job.output}")
     return 0
 
 
@@ -426,7 +443,20 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def join_processes(args) -> None:
+    """Join the run's other processes when the command was given ``add_process_arguments``'
+    flags; first, before anything runs on a device."""
+    from dspark_jax import multihost
+
+    manual = (args.coordinator, args.num_processes, args.process_id)
+    if args.distributed or any(v is not None for v in manual):
+        multihost.initialize(*manual)
+
+
 def cmd_train(args) -> int:
+    from dspark_jax import multihost
+
+    join_processes(args)
     from dspark_jax.training.train import LOG_FILE, load_config, run, run_budgeted
 
     if args.out_dir is not None and len(args.config) > 1:
@@ -440,7 +470,8 @@ def cmd_train(args) -> int:
     else:
         outs = [run(config) for config in configs]
     for config, out in zip(configs, outs):
-        print(f"drafter written to {out}; per-step log in {Path(config.out_dir) / LOG_FILE}")
+        if multihost.is_lead():
+            print(f"drafter written to {out}; per-step log in {Path(config.out_dir) / LOG_FILE}")
     return 0
 
 
@@ -450,6 +481,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def add_process_arguments(parser, shared: str) -> None:
+    """The flags that make a command one of several processes (``join_processes``)."""
+    hosts = parser.add_argument_group(
+        "several processes (a multi-host TPU slice or GPU cluster, or one machine): run the same command in "
+        f"every process, with {shared} on storage all of them see")
+    hosts.add_argument("--distributed", action="store_true",
+                       help="join the other processes; JAX finds them on a Cloud TPU slice, under SLURM, Open MPI "
+                            "or Kubernetes")
+    hosts.add_argument("--coordinator", default=None,
+                       help="elsewhere: host:port of process 0, the same in every process (with --num-processes "
+                            "and --process-id)")
+    hosts.add_argument("--num-processes", type=positive_int, default=None)
+    hosts.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. --num-processes - 1")
 
 
 DRAFTER_HELP = "a shipped drafter name (smollm2_135m_dspark, _dflash, _eagle3) or a drafter checkpoint directory"
@@ -507,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
     batch.add_argument("--policy", default=None, help=POLICY_HELP)
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_process_arguments(batch, "the output")
     batch.set_defaults(func=cmd_batch)
 
     bench = sub.add_parser("bench", help="target-only vs speculative decoding on the same prompts (B=1)")
@@ -566,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "configs' steps)")
     train.add_argument("--data-fraction", type=float, default=0.3,
                        help="with --budget-s: the share of the budget the target cache may take (default 0.3)")
+    add_process_arguments(train, "the run directories")
     train.set_defaults(func=cmd_train)
     return parser
 

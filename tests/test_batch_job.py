@@ -1,5 +1,5 @@
 """``dspark batch``: a JSONL of requests answered into a JSONL of completions, resumable, on one
-device or split over eight."""
+device, split over eight, or shared by two processes."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 
 from dspark_jax.cli import main
 from dspark_jax.decoding.batch_job import BatchJob, read_requests
-from tests.multidevice import run_on_eight_devices
+from tests.multidevice import run_on_eight_devices, run_processes
 
 REQUESTS = [
     {"messages": [{"role": "user", "content": "What is the capital of France?"}], "id": "france"},
@@ -197,3 +197,32 @@ def test_data_parallel_batches_split_over_eight_devices_give_the_one_device_file
     assert got["devices"] == 8 and got["codes"] == [0, 0]
     assert len(got["one"].splitlines()) == len(requests) and got["eight"] == got["one"]
     assert got["refusal"] == "--data-parallel splits each batch over 8 devices: --batch-size 12 is not a multiple of 8"
+
+
+def test_two_processes_share_a_job_and_write_the_one_process_file(tmp_path, capsys, shared_target):
+    """Two processes joined as one multi-host run answer every other request each (sampled ones
+    included: a request's seed is its own) into their own parts, and process 0 writes the file one
+    process writes. A process killed mid-part resumes its part; a finished job is finished for a
+    rerun by one process too."""
+    inputs = write_requests(tmp_path / "requests.jsonl")
+    batch(inputs, tmp_path / "one.jsonl")
+    output = tmp_path / "two.jsonl"
+    shared = ["-m", "dspark_jax.cli", "batch", "--input", str(inputs), "--output", str(output), "--batch-size", "2",
+              "--max-new-tokens", "8", "--no-progress"]
+    run_processes(shared, devices_each=1)
+    assert output.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    parts = [output.with_name("two.jsonl.parts") / f"process-0000{i}-of-00002.jsonl" for i in range(2)]
+    assert [[r["index"] for r in records(part)] for part in parts] == [[0, 2, 4], [1, 3]]
+
+    first_part = parts[0].read_bytes()
+    cut_after(parts[1], 1, 10)
+    output.unlink()
+    printed = run_processes(shared, devices_each=1)
+    assert output.read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+    assert parts[0].read_bytes() == first_part
+    assert ["(3 already done)" in err for _, err in printed] == [True, False]
+    assert "(1 already done)" in printed[1][1]
+    capsys.readouterr()
+    batch(inputs, output)  # one process, the same job: nothing left to do
+    assert "(5 already done): 0 new tokens" in capsys.readouterr().err
+    assert output.read_bytes() == (tmp_path / "one.jsonl").read_bytes()

@@ -42,7 +42,7 @@ from dspark_jax.training.train import (
     train,
     train_together,
 )
-from tests.multidevice import run_on_eight_devices
+from tests.multidevice import run_on_eight_devices, run_processes
 from tests.stored_arrays import assert_same_stored_arrays, assert_within_one_bf16_step
 from tests.tiny import tiny_target
 
@@ -690,6 +690,87 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     # Before any update, token ids give the cache's loss (test_training_on_token_ids_...); after
     # it, features a bf16 step apart here and there make the two runs drift apart slowly.
     np.testing.assert_allclose(curves["online1"][0], curves["cached1"][0], rtol=1e-5)
+
+
+def test_two_processes_split_the_cache_and_train_as_one_device_does(tmp_path, tiny_parts):
+    """`dspark train` run by two processes joined as one multi-host run (2 simulated CPU devices
+    each). Each answers its own shard of the target cache, which then holds the 1-process cache's
+    answers. They train as one 4-device mesh: 2 steps, then a rerun resumed to 4 from the
+    checkpoint, with one log and one exported drafter, and the loss curve is that of the same two
+    runs on one device, to float32 rounding."""
+    config, target, reference = tiny_parts
+    out = tmp_path / "hosts"
+    args = ["-m", "dspark_jax.cli", "train", "--config", str(TINY), "--out-dir", str(out)]
+    printed = run_processes([*args, "--steps", "2"])
+    assert ["drafter written to" in out for out, _ in printed] == [True, False]  # the lead reports
+    assert len(losses(out)) == 2
+    run_processes([*args, "--steps", "4"])
+
+    shards = sorted((out / "cache").glob("shard-*.json"))
+    assert [json.loads(path.read_text())["process"] for path in shards] == [0, 1]
+    cached = load_target_cache(out / "cache")
+    assert [s.name for s in cached] == [s.name for s in reference]
+    _, head = target.embedding_and_head(target.params)
+    for got, want in zip(cached, reference):
+        np.testing.assert_array_equal(got.input_ids, want.input_ids)
+        # Two devices per process, one in the reference: rows' float32 sums round differently.
+        assert_same_stored_arrays((got.features, got.hidden, got.lse), (want.features, want.hidden, want.lse), head)
+
+    one = dataclasses.replace(config, out_dir=str(tmp_path / "one"), cache_dir=str(out / "cache"),
+                              heldout_cache_dir=str(out / "heldout_cache"), data_parallel=1)
+    heldout = load_target_cache(one.heldout_cache_path)
+    for steps in (2, 4):
+        train(dataclasses.replace(one, steps=steps), target, cached, heldout=heldout, progress=False)
+    assert len(losses(out)) == 4
+    np.testing.assert_allclose(losses(out), losses(one.out_dir), rtol=1e-5)
+    records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
+    assert "heldout_tau" in records[-1]
+    exported = load_drafter(out / "drafter", target=target.cfg)
+    assert exported.cfg.block_size == config.drafter["block_size"]
+    assert json.loads((out / "drafter" / "config.json").read_text())["metadata"]["steps"] == 4
+
+
+def test_two_processes_follow_the_lead_process_budget_and_deadline(tmp_path, tiny_parts):
+    """A budgeted run by two processes whose own timings and clocks disagree: the other process
+    times a step 30 times faster than the lead and its clock passes the deadline after the first
+    step. Steps run on every process's devices, so a process that planned or stopped on its own
+    would leave the other waiting for it; both follow the lead's plan and clock to the end."""
+    config, _, _ = tiny_parts
+    script = textwrap.dedent(f"""
+        import dataclasses, json, sys, time
+        from dspark_jax import multihost
+        flags = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+        multihost.initialize(flags["--coordinator"], int(flags["--num-processes"]), int(flags["--process-id"]))
+        import jax
+        from dspark_jax.training import train as train_module
+        from dspark_jax.training.train import Trainer, load_config, run_budgeted
+        lead = multihost.is_lead()
+        Trainer.step_seconds = lambda self, batch, repeats=3: 30.0 if lead else 1.0
+        Trainer.batch_seconds = lambda self, repeats=3: 10.0
+        steps_taken = []
+        step = Trainer.step
+        def counted(self, *args, **kwargs):
+            steps_taken.append(1)
+            return step(self, *args, **kwargs)
+        Trainer.step = counted
+        class Clock:
+            def monotonic(self):
+                return time.monotonic() + (0 if lead or not steps_taken else 1e6)
+            def __getattr__(self, name):
+                return getattr(time, name)
+        train_module.time = Clock()
+        config = dataclasses.replace(load_config({str(TINY)!r}), name="tiny_budget", out_dir=sys.argv[1],
+                                     cache_dir={str(config.cache_path)!r}, heldout_prompts=0)
+        run_budgeted([config], 600.0, data_fraction=0.5, margin=0.0, progress=False)
+        print(json.dumps({{"steps_taken": len(steps_taken)}}))
+    """)
+    out = tmp_path / "budget"
+    reports = [json.loads(text.strip().splitlines()[-1]) for text, _ in run_processes(["-c", script, str(out)])]
+    plan = json.loads((out / BUDGET_FILE).read_text())
+    assert plan["step_seconds"] == {"tiny_budget": 30.0}  # the lead's timing
+    assert plan["steps"] == int((600.0 - plan["planned_after_s"]) / 40.0) > 1
+    assert [r["steps_taken"] for r in reports] == [plan["steps"]] * 2
+    assert len(losses(out)) == plan["steps"]
 
 
 def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_rows(tmp_path):

@@ -28,6 +28,10 @@ random draws) weigh the other requests in flight. With continuous batching those
 resume, and such requests are drawn again, from the same exact distribution; with fixed batches
 (and the job's recorded cost table) they are reproduced too. Different settings, another input
 or an output file that no job wrote are refused rather than mixed into it.
+
+Several processes (``dspark_jax.multihost``) share a job: each answers its ``process_share`` of
+the requests as a job of its own (``BatchJob.part``, resumable the same way), and process 0 then
+writes the output from the parts (``BatchJob.merge``).
 """
 
 from __future__ import annotations
@@ -135,14 +139,20 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
     return requests
 
 
+def process_share(requests: Sequence[Request], process: int, processes: int) -> list[Request]:
+    """The requests process ``process`` of ``processes`` answers: every ``processes``-th, from
+    its index (interleaved, so that no process gets all of a file's long requests)."""
+    return list(requests[process::processes])
+
+
 def _file_sha256(path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _completed(output: Path, num_requests: int) -> int:
-    """How many requests ``output`` holds: its lines are the first requests, in order (a
-    half-written last line, from a killed write, is cut off)."""
+def _completed(output: Path, indices: Sequence[int]) -> int:
+    """How many requests ``output`` holds: its lines are those of the first of ``indices`` (the
+    job's requests), in order (a half-written last line, from a killed write, is cut off)."""
     if not output.exists():
         return 0
     data = output.read_bytes()
@@ -157,8 +167,9 @@ def _completed(output: Path, num_requests: int) -> int:
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{output}:{number} is not a completion this job wrote; "
                              "write to another output or delete it") from None
-        if index != number - 1 or number > num_requests:
-            raise ValueError(f"{output}:{number}: index {index!r} where this job writes {number - 1}; "
+        if number > len(indices) or index != indices[number - 1]:
+            expected = indices[number - 1] if number <= len(indices) else "nothing"
+            raise ValueError(f"{output}:{number}: index {index!r} where this job writes {expected}; "
                              "write to another output or delete it")
     return len(lines)
 
@@ -207,6 +218,40 @@ class BatchJob:
             raise ValueError(f"{self.output} exists and no batch job wrote it (there is no "
                              f"{self.manifest_path.name}); write to another output or delete it")
 
+    def _start(self, manifest: dict) -> None:
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.manifest_path.with_name(self.manifest_path.name + ".tmp")
+        partial.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(partial, self.manifest_path)
+        self.started = manifest
+
+    def part(self, process: int, processes: int) -> BatchJob:
+        """The job of process ``process`` of ``processes`` that share this one (``process_share``):
+        its own output and manifest in ``<output>.parts/``, resumable like any job's."""
+        parts = self.output.with_name(self.output.name + ".parts")
+        return BatchJob(self.input_path, parts / f"process-{process:05d}-of-{processes:05d}.jsonl",
+                        self.manifest["settings"])
+
+    def merge(self, requests: Sequence[Request], processes: int) -> None:
+        """Write the output, in input order, from the finished parts of ``processes`` processes
+        (``part``), with the manifest of a finished job: a rerun, by any number of processes,
+        then finds nothing left to do."""
+        lines = [""] * len(requests)
+        for process in range(processes):
+            part, share = self.part(process, processes).output, process_share(requests, process, processes)
+            if _completed(part, [r.index for r in share]) != len(share):
+                raise ValueError(f"{part} holds fewer than its {len(share)} completions: "
+                                 f"run the job again with {processes} processes to finish it")
+            for request, line in zip(share, part.read_text(encoding="utf-8").splitlines(keepends=True)):
+                lines[request.index] = line
+        self._start({**self.manifest, "requests": len(requests), "processes": processes})
+        partial = self.output.with_name(self.output.name + ".tmp")
+        with open(partial, "w", encoding="utf-8") as out:
+            out.write("".join(lines))
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.output)
+
     @property
     def scheduler_costs(self) -> dict | None:
         """The cost table the job started with (``{batch: {width: seconds}}``), to schedule a resumed
@@ -232,14 +277,9 @@ class BatchJob:
         # One cache length for the whole job, resumed or not (it is part of every compiled shape).
         max_len = runner.cache_len_for([len(r.ids) for r in requests], max_new_tokens)
         if self.started is None:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            manifest = {**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs}
-            partial = self.manifest_path.with_name(self.manifest_path.name + ".tmp")
-            partial.write_text(json.dumps(manifest, indent=2) + "\n")
-            os.replace(partial, self.manifest_path)
+            self._start({**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs})
             self.output.write_bytes(b"")
-            self.started = manifest
-        resumed = _completed(self.output, len(requests))
+        resumed = _completed(self.output, [r.index for r in requests])
         # Fixed batches: a batch cut short by the kill runs again whole, so that its requests
         # share a batch as they did (its lines already written are not written again).
         first = resumed if self.continuous else resumed - resumed % self.batch_size
@@ -254,7 +294,7 @@ class BatchJob:
             def on_finish(position: int, tokens: list[int], reason: str) -> None:
                 nonlocal generated, next_line
                 request = todo[position]
-                if request.index < resumed:
+                if first + position < resumed:
                     return
                 record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
                           "completion": decode(tokens), "finish_reason": reason,

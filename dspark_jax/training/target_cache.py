@@ -50,6 +50,7 @@ from einops import rearrange
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from dspark_jax import multihost
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
 from dspark_jax.models.layers import project
@@ -256,7 +257,11 @@ class TargetCacheWriter:
 
         With a ``deadline`` (a ``time.monotonic()`` value) no shard is started after it: the
         cache is then complete up to some shard, which ``complete_shards`` counts, and a later
-        build resumes it."""
+        build resumes it.
+
+        Run by several processes (``dspark_jax.multihost``), each writes its own shards (by index)
+        with its own devices, which the writer's ``mesh`` must then hold, and returns once all
+        are written; the progress bar counts this process's shards."""
         if len(prompt_ids) != len(prompt_names):
             raise ValueError("need one name per prompt")
         too_long = [n for n, p in zip(prompt_names, prompt_ids) if len(p) > self.spec.max_prompt_tokens]
@@ -266,11 +271,15 @@ class TargetCacheWriter:
                 f"(e.g. {too_long[:3]}); filter them before building the cache"
             )
         manifest = self.manifest(prompt_ids)
-        spanned = self._check_manifest(manifest, prompt_ids)
+        # The lead starts, resumes or grows the cache; the others then find its manifest.
+        spanned = self._check_manifest(manifest, prompt_ids) if multihost.is_lead() else None
+        multihost.barrier(f"target cache manifest {self.dir}")
+        if spanned is None:
+            spanned = self._check_manifest(manifest, prompt_ids)
         size = self.spec.shard_size
         shards = range(spanned if num_shards is None else min(num_shards, spanned))
-        todo = [i for i in shards if not shard_done(self.dir, i)]
-        total = min(len(prompt_ids), len(shards) * size)
+        todo = [i for i in multihost.own_indices(shards) if not shard_done(self.dir, i)]
+        total = min(len(prompt_ids), len(multihost.own_indices(shards)) * size)
         done = total - sum(len(prompt_ids[i * size : (i + 1) * size]) for i in todo)
         # `initial` shows a resumed build's progress at once (an update() this early is not drawn).
         bar = tqdm(total=total, initial=done, desc="target cache", disable=not progress, unit="prompt")
@@ -281,6 +290,7 @@ class TargetCacheWriter:
             self._write_shard(shard, prompt_ids[lo : lo + size], prompt_names[lo : lo + size], lo)
             bar.update(len(prompt_ids[lo : lo + size]))
         bar.close()
+        multihost.barrier(f"target cache shards {self.dir}")  # every process's shards are written
         return len(shards)
 
     def respond(self, prompts, first_index: int) -> tuple[list[list[int]], list[tuple | None]]:
@@ -352,6 +362,7 @@ class TargetCacheWriter:
                         for i in sorted(set(range(len(prompts))) - set(kept))],
             "response_tokens": [len(responses[i]) for i in kept],
             "tokens": int(sum(lengths)),
+            "process": jax.process_index(),  # which process answered it (``build`` splits shards between them)
         }
         stem = self.dir / f"shard-{shard:05d}"
         tmp_tensors, tmp_meta = stem.with_suffix(".safetensors.tmp"), stem.with_suffix(".json.tmp")

@@ -50,6 +50,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from dspark_jax import multihost
 from dspark_jax.checkpoints.drafter import CONFIG_FILE, build_drafter, load_drafter, save_drafter
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafter.model import select_draft_vocab
@@ -397,8 +398,13 @@ def mean_metrics(score, config: TrainConfig, sequences: list[CachedSequence]) ->
     }
 
 
-def make_mesh(data_parallel: int | None) -> Mesh:
-    devices = jax.devices()
+def make_mesh(data_parallel: int | None, *, local: bool = False) -> Mesh:
+    """A ``data`` axis over the first ``data_parallel`` devices (default: all), or with ``local``
+    over this process's own: work that processes split by hand (the target cache) runs on those."""
+    if data_parallel is not None and jax.process_count() > 1:
+        raise ValueError(f"data_parallel={data_parallel}: with {jax.process_count()} processes every device "
+                         "takes part (leave data_parallel unset)")
+    devices = jax.local_devices() if local else jax.devices()
     n = len(devices) if data_parallel is None else data_parallel
     if not 1 <= n <= len(devices):
         raise ValueError(f"data_parallel={n} but {len(devices)} devices are visible")
@@ -449,7 +455,7 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
     writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id],
-                               mesh=make_mesh(config.data_parallel))
+                               mesh=make_mesh(config.data_parallel, local=True))
     writer.build(ids, names, progress=progress, num_shards=config.cache_shards, deadline=deadline)
     return _within_cache_shards(config, names)
 
@@ -499,7 +505,7 @@ def build_heldout_cache(config: TrainConfig, target, tokenizer, *, prompts=None,
     ids, names = ids[: config.heldout_prompts], names[: config.heldout_prompts]
     # Small shards, and no batch wider than one (an accelerator config's 512 rows would be padding)
     # beyond a row per device.
-    mesh = make_mesh(config.data_parallel)
+    mesh = make_mesh(config.data_parallel, local=True)
     shard = min(config.cache.shard_size, 16)
     batch = -(-min(config.cache.batch_size, shard) // mesh.size) * mesh.size
     spec = dataclasses.replace(config.cache, shard_size=shard, batch_size=batch)
@@ -729,13 +735,14 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
     schedules, bars, logs = [], [], []
     for trainer, config in zip(trainers, configs):
         log_path = trainer.out / LOG_FILE
-        log_path.write_text("".join(line + "\n" for line in _read_log(log_path, trainer.start)))
-        logs.append(log_path.open("a"))
+        if multihost.is_lead():
+            log_path.write_text("".join(line + "\n" for line in _read_log(log_path, trainer.start)))
+        logs.append(log_path.open("a") if multihost.is_lead() else None)
         schedules.append(schedule(config))
         bars.append(tqdm(total=total, initial=trainer.start, desc=f"train {config.name}", disable=not progress))
     try:
         for step in range(min(t.start for t in trainers), total):
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and multihost.lead_value(time.monotonic() >= deadline):
                 for trainer in trainers:
                     if trainer.manager.latest_step() != trainer.start:
                         trainer.save(force=True)
@@ -756,8 +763,9 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
                     scored = trainer.heldout_metrics(config)
                     record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"],
                                   heldout_loss=scored["loss"])
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                if log is not None:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
                 bar.update(1)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tau=f"{record['tau_probabilistic']:.2f}")
                 trainer.start = done
@@ -767,7 +775,8 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
     finally:
         for trainer, log, bar in zip(trainers, logs, bars):
             trainer.manager.wait_until_finished()
-            log.close()
+            if log is not None:
+                log.close()
             bar.close()
     return [nnx.merge(t.graphdef, t.params, t.rest) for t in trainers]
 
@@ -782,7 +791,12 @@ def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: i
 
 
 def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> Path:
-    """Save the trained drafter to ``out_dir/drafter`` with a summary of its run."""
+    """Save the trained drafter to ``out_dir/drafter`` with a summary of its run (the lead process
+    writes it; every process returns once it is written)."""
+    out = Path(config.out_dir) / "drafter"
+    if not multihost.is_lead():
+        multihost.barrier(f"exported {out}")
+        return out
     records = [json.loads(line) for line in (Path(config.out_dir) / LOG_FILE).read_text().splitlines()]
     last = records[-1]
     summary = {
@@ -795,11 +809,14 @@ def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> 
         "train_seconds_this_run": seconds,
         **extra,
     }
-    return save_drafter(drafter, Path(config.out_dir) / "drafter", storage_dtype=config.storage_dtype, metadata=summary)
+    save_drafter(drafter, out, storage_dtype=config.storage_dtype, metadata=summary)
+    multihost.barrier(f"exported {out}")
+    return out
 
 
 def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
     """The whole pipeline; returns the exported drafter directory (None if stopped early)."""
+    progress = progress and multihost.is_lead()
     if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
         run(config.init_from, progress=progress)
     target, tokenizer = load_target(config)
@@ -850,6 +867,7 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     if len(set(run_names)) != len(configs) or len({str(Path(c.out_dir).absolute()) for c in configs}) != len(configs):
         raise ValueError(f"configs under one budget need distinct names and out_dirs, got {run_names}")
 
+    progress = progress and multihost.is_lead()
     clock = time.monotonic()
     plans = [Path(c.out_dir) / BUDGET_FILE for c in configs]
     plan = json.loads(plans[0].read_text()) if plans[0].exists() else None
@@ -878,15 +896,18 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
         round_seconds = batch_seconds + sum(seconds.values())
         left = budget_s - (time.monotonic() - clock)
         steps = int((1 - margin) * left / round_seconds)
+        # Every process timed the steps (they run on all devices); the lead's clock decides.
+        steps, left = multihost.lead_value((steps, left))
         if steps < 1:
             raise ValueError(f"{left:.0f} s of the budget are left and a step of every drafter takes "
                              f"{round_seconds:.2f} s: raise the budget or lower data_fraction")
         plan = {"steps": steps, "cache_shards": shards, "sequences": len(sequences), "budget_s": budget_s,
                 "data_fraction": data_fraction, "batch_seconds": batch_seconds, "step_seconds": seconds,
                 "planned_after_s": budget_s - left, "drafters": [c.name for c in configs]}
-        for path in plans:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(plan, indent=2) + "\n")
+        if multihost.is_lead():
+            for path in plans:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(plan, indent=2) + "\n")
         if progress:
             print(f"budget: {shards} cache shards ({len(sequences)} sequences), {steps} steps for each of "
                   f"{', '.join(seconds)} (s/step {', '.join(f'{v:.3f}' for v in seconds.values())}, "
