@@ -202,7 +202,7 @@ def cmd_batch(args) -> int:
     own_job = job if processes == 1 else job.part(process, processes)
     target, tokenizer = load_target(args.checkpoint)
     requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
-    own_requests = batch_job.process_share(requests, process, processes)
+    own_requests = multihost.share(requests)
     if not own_requests:
         raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

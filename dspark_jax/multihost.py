@@ -58,9 +58,12 @@ def lead_value(value):
                         multihost_utils.broadcast_one_to_all(value))
 
 
-def own_indices(indices) -> list[int]:
-    """The items (by index: cache shards, requests) this process works on: those equal to its
-    index modulo the number of processes. Fixed by index, not by what is left to do, so that
-    processes looking at a half-written directory at slightly different times still split it
-    without gap or overlap."""
-    return [i for i in indices if i % jax.process_count() == jax.process_index()]
+def share(items, process: int | None = None, processes: int | None = None) -> list:
+    """The items (cache shards, requests) process ``process`` of ``processes`` works on, by
+    default this process's of this run: every ``processes``-th, from its index. Interleaved, so
+    that no process gets all of a file's long requests; fixed by position, not by what is left to
+    do, so that processes looking at a half-written directory at slightly different times still
+    split it without gap or overlap."""
+    process = jax.process_index() if process is None else process
+    processes = jax.process_count() if processes is None else processes
+    return list(items)[process::processes]

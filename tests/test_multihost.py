@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     except ValueError as error:
         refused = str(error)
     print(json.dumps({"process": me, "lead": multihost.is_lead(), "agreed": list(agreed),
-                      "shards": multihost.own_indices(range(5)), "waited": time.monotonic() - start,
+                      "shards": multihost.share(range(5)), "waited": time.monotonic() - start,
                       "mesh": make_mesh(None).size, "local_mesh": make_mesh(None, local=True).size,
                       "refused": refused}))
 """)
@@ -50,7 +50,8 @@ def test_two_processes_agree_on_the_lead_value_split_shards_and_meet_at_barriers
 def test_one_process_is_its_own_lead():
     assert multihost.is_lead()
     assert multihost.lead_value((3, 0.25)) == (3, 0.25)
-    assert multihost.own_indices(range(3)) == [0, 1, 2]
+    assert multihost.share(range(3)) == [0, 1, 2]
+    assert multihost.share("abcde", 1, 2) == ["b", "d"]  # another process's share, named
     multihost.barrier("alone")  # returns at once
 
 

@@ -29,7 +29,7 @@ resume, and such requests are drawn again, from the same exact distribution; wit
 (and the job's recorded cost table) they are reproduced too. Different settings, another input
 or an output file that no job wrote are refused rather than mixed into it.
 
-Several processes (``dspark_jax.multihost``) share a job: each answers its ``process_share`` of
+Several processes (``dspark_jax.multihost``) share a job: each answers its ``multihost.share`` of
 the requests as a job of its own (``BatchJob.part``, resumable the same way), and process 0 then
 writes the output from the parts (``BatchJob.merge``).
 """
@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax import multihost
 from dspark_jax.config import SamplingConfig
 
 FORMAT = "dspark-jax-batch-job"
@@ -139,12 +140,6 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
     return requests
 
 
-def process_share(requests: Sequence[Request], process: int, processes: int) -> list[Request]:
-    """The requests process ``process`` of ``processes`` answers: every ``processes``-th, from
-    its index (interleaved, so that no process gets all of a file's long requests)."""
-    return list(requests[process::processes])
-
-
 def _file_sha256(path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -226,7 +221,7 @@ class BatchJob:
         self.started = manifest
 
     def part(self, process: int, processes: int) -> BatchJob:
-        """The job of process ``process`` of ``processes`` that share this one (``process_share``):
+        """The job of process ``process`` of ``processes`` that share this one (``multihost.share``):
         its own output and manifest in ``<output>.parts/``, resumable like any job's."""
         parts = self.output.with_name(self.output.name + ".parts")
         return BatchJob(self.input_path, parts / f"process-{process:05d}-of-{processes:05d}.jsonl",
@@ -238,11 +233,11 @@ class BatchJob:
         then finds nothing left to do."""
         lines = [""] * len(requests)
         for process in range(processes):
-            part, share = self.part(process, processes).output, process_share(requests, process, processes)
-            if _completed(part, [r.index for r in share]) != len(share):
-                raise ValueError(f"{part} holds fewer than its {len(share)} completions: "
+            part, ours = self.part(process, processes).output, multihost.share(requests, process, processes)
+            if _completed(part, [r.index for r in ours]) != len(ours):
+                raise ValueError(f"{part} holds fewer than its {len(ours)} completions: "
                                  f"run the job again with {processes} processes to finish it")
-            for request, line in zip(share, part.read_text(encoding="utf-8").splitlines(keepends=True)):
+            for request, line in zip(ours, part.read_text(encoding="utf-8").splitlines(keepends=True)):
                 lines[request.index] = line
         self._start({**self.manifest, "requests": len(requests), "processes": processes})
         partial = self.output.with_name(self.output.name + ".tmp")

@@ -278,8 +278,8 @@ class TargetCacheWriter:
             spanned = self._check_manifest(manifest, prompt_ids)
         size = self.spec.shard_size
         shards = range(spanned if num_shards is None else min(num_shards, spanned))
-        todo = [i for i in multihost.own_indices(shards) if not shard_done(self.dir, i)]
-        total = min(len(prompt_ids), len(multihost.own_indices(shards)) * size)
+        todo = [i for i in multihost.share(shards) if not shard_done(self.dir, i)]
+        total = min(len(prompt_ids), len(multihost.share(shards)) * size)
         done = total - sum(len(prompt_ids[i * size : (i + 1) * size]) for i in todo)
         # `initial` shows a resumed build's progress at once (an update() this early is not drawn).
         bar = tqdm(total=total, initial=done, desc="target cache", disable=not progress, unit="prompt")
