@@ -19,6 +19,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 
 @functools.lru_cache(maxsize=8)
@@ -38,8 +39,31 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _chat_templates(directory: Path, config: dict) -> tuple[str | None, list[str]]:
+    """(the default chat template or None, the names of the others), where transformers 5 finds
+    them: ``chat_template.jinja`` and ``additional_chat_templates/<name>.jinja`` (what its
+    ``save_pretrained`` writes), else ``chat_template`` in ``tokenizer_config.json``."""
+    extra = directory / "additional_chat_templates"
+    named = sorted(p.stem for p in extra.glob("*.jinja")) if extra.is_dir() else []
+    if (directory / "chat_template.jinja").exists():
+        return (directory / "chat_template.jinja").read_text(), named
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        by_name = {entry["name"]: entry["template"] for entry in template}
+        return by_name.pop("default", None), sorted(set(named) | set(by_name))
+    return template, named
+
+
 class Tokenizer:
-    """A ``tokenizers.Tokenizer`` with its special-token ids and chat template."""
+    """A ``tokenizers.Tokenizer`` with its special-token ids and chat template.
+
+    What plain text gets around it (a BOS token, say) is the backend's post-processor, as in
+    transformers 5: ``encode`` applies it, ``apply_chat_template`` does not (the template writes
+    its own special tokens)."""
 
     def __init__(
         self,
@@ -50,7 +74,7 @@ class Tokenizer:
         pad_token_id: int | None = None,
         unk_token_id: int | None = None,
         chat_template: str | None = None,
-        add_bos_token: bool = False,
+        named_chat_templates: Sequence[str] = (),
     ):
         self.backend = tokenizer
         self.bos_token_id = bos_token_id
@@ -58,40 +82,68 @@ class Tokenizer:
         self.pad_token_id = pad_token_id
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
-        self.add_bos_token = add_bos_token
+        # Names of templates other than the default one (e.g. "tool_use"), for the error when
+        # there is no default to render with.
+        self.named_chat_templates = tuple(named_chat_templates)
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
-        """Read an HF tokenizer directory: ``tokenizer.json`` and, if present,
-        ``tokenizer_config.json`` (special tokens, ``chat_template``, ``add_bos_token``)."""
+        """Read an HF tokenizer directory the way transformers 5 does: ``tokenizer.json``, the
+        special tokens of ``tokenizer_config.json`` overridden by ``special_tokens_map.json``, and
+        the chat template from ``chat_template.jinja``, else ``tokenizer_config.json`` (a string,
+        or a list of named templates of which "default" is used). ``add_bos_token: true`` in the
+        config adds BOS to plain text where the post-processor does not already."""
         directory = Path(directory)
         if not (directory / "tokenizer.json").exists():
             raise ValueError(f"{directory} has no tokenizer.json; cannot turn text into tokens")
-        config = {}
-        if (directory / "tokenizer_config.json").exists():
-            config = json.loads((directory / "tokenizer_config.json").read_text())
+        config = _read_json(directory / "tokenizer_config.json")
+        special = {**config, **_read_json(directory / "special_tokens_map.json")}
         backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
 
         def token_id(name):
-            token = config.get(name)
+            token = special.get(name)
             token = token.get("content") if isinstance(token, dict) else token
             return None if token is None else backend.token_to_id(token)
 
-        return cls(
+        template, named = _chat_templates(directory, config)
+        tokenizer = cls(
             backend,
             bos_token_id=token_id("bos_token"),
             eos_token_id=token_id("eos_token"),
             pad_token_id=token_id("pad_token"),
             unk_token_id=token_id("unk_token"),
-            chat_template=config.get("chat_template"),
-            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+            named_chat_templates=named,
         )
+        if config.get("add_bos_token"):
+            tokenizer.add_bos_to_plain_text()
+        return tokenizer
+
+    def add_bos_to_plain_text(self) -> None:
+        """Make ``encode`` start plain text with BOS (a no-op where it already does)."""
+        if self.add_bos_token:
+            return
+        if self.bos_token_id is None:
+            raise ValueError("add_bos_token is set but the tokenizer names no BOS token")
+        bos = self.token(self.bos_token_id)
+        prepend = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, self.bos_token_id)])
+        current = self.backend.post_processor
+        self.backend.post_processor = prepend if current is None else processors.Sequence([current, prepend])
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether ``encode`` starts plain text with BOS."""
+        ids = self.backend.encode("", add_special_tokens=True).ids
+        return self.bos_token_id is not None and ids[:1] == [self.bos_token_id]
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json``, what ``from_directory`` reads."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / "tokenizer.json"))
+        # add_bos_token is what the post-processor in tokenizer.json does, written for readers
+        # that go by the config (transformers 4's Llama tokenizers).
         config = {**self.special_tokens_map, "chat_template": self.chat_template, "add_bos_token": self.add_bos_token}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
@@ -113,10 +165,12 @@ class Tokenizer:
         return {k: v for k, v in tokens.items() if v is not None}
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of plain text: with what the post-processor adds (None, as transformers'
+        ``encode``), with nothing added (False), or with BOS alone in front (True)."""
+        if add_bos is None:
+            return self.backend.encode(text, add_special_tokens=True).ids
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        return [self.bos_token_id] + ids if add_bos and self.bos_token_id is not None else ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -125,7 +179,8 @@ class Tokenizer:
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
     ) -> str:
         if not self.chat_template:
-            raise ValueError("this tokenizer has no chat template; pass a plain prompt instead")
+            named = f" (only named ones: {', '.join(self.named_chat_templates)})" if self.named_chat_templates else ""
+            raise ValueError(f"this tokenizer has no default chat template{named}; pass a plain prompt instead")
         for m in messages:
             if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat messages need 'role' and 'content' keys, got {m!r}")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from dspark_jax.checkpoints.gguf import unpermute_rope_rows
+from dspark_jax.checkpoints.gguf import config_from_gguf, unpermute_rope_rows
 from dspark_jax.checkpoints.hf import (
     config_from_hf,
     config_to_hf,
@@ -132,6 +132,35 @@ def test_hf_config_translation():
         config_from_hf(dict(llama3, hidden_act="gelu"))
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
         config_from_hf(dict(llama3, rope_scaling=dict(rope_type="yarn", factor=4.0)))
+    with pytest.raises(ValueError, match="names no rope_type"):
+        config_from_hf(dict(llama3, rope_scaling=dict(factor=4.0)))
+    assert config_from_hf(dict(llama3, rope_scaling=dict(rope_theta=1e4))).rope_scaling is None
+    with pytest.raises(ValueError, match="llama3 rope scaling lacks low_freq_factor, high_freq_factor"):
+        config_from_hf(dict(llama3, rope_scaling=dict(rope_type="llama3", factor=8.0,
+                                                       original_max_position_embeddings=8192)))
+
+
+def test_a_gguf_with_llama31_rope_factors_is_refused_by_name(tmp_path):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "llama31.gguf"), "llama")
+    writer.add_head_count(4)
+    writer.add_embedding_length(64)
+    writer.add_token_list(["a", "b"])
+    writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
+        config_from_gguf(gguf.GGUFReader(str(tmp_path / "llama31.gguf")))
+
+
+def test_more_tokens_than_the_cache_holds_is_an_error():
+    target = tiny_target()
+    tokens = jnp.zeros((1, 10), jnp.int32)
+    with pytest.raises(ValueError, match="10 tokens do not fit a KV cache of 8 positions"):
+        target.apply(target.params, tokens, target.new_cache(1, 8))
 
 
 def test_unknown_config_keys_are_refused():

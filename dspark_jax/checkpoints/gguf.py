@@ -107,6 +107,9 @@ def config_from_gguf(reader) -> TargetConfig:
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
         raise ValueError("GGUF files with RoPE scaling are not supported yet; load the HF checkpoint")
+    if "rope_freqs.weight" in names:  # how llama.cpp stores Llama 3.1's llama3 RoPE scaling
+        raise ValueError("this GGUF scales RoPE by per-frequency factors (rope_freqs.weight, Llama 3.1 style), "
+                         "which GGUF loading does not support yet; load the HF checkpoint")
     return TargetConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -180,7 +183,7 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     if model != "gpt2":
         raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]  # a writer leaves out an empty list
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     backend = HFTokenizer(
         models.BPE(
@@ -202,15 +205,17 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
         value = _field(reader, key)
         return None if value is None else int(value)
 
-    return Tokenizer(
+    tokenizer = Tokenizer(
         backend,
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
         pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
         unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     )
+    if _field(reader, "tokenizer.ggml.add_bos_token", False):
+        tokenizer.add_bos_to_plain_text()
+    return tokenizer
 
 
 @functools.cache
@@ -277,8 +282,8 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
             shutil.rmtree(copy, ignore_errors=True)
     reader = GGUFReader(str(path))
     cfg = config_from_gguf(reader)
+    tokenizer = tokenizer_from_gguf(reader)  # before dequantizing: an unsupported tokenizer fails fast
     tensors = hf_tensors_from_gguf(reader, cfg)
-    tokenizer = tokenizer_from_gguf(reader)
     target = TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))  # checks the inventory first
     if copy is not None and sum(t.nbytes for t in tensors.values()) <= CONVERTED_COPY_MAX_BYTES:
         _keep_converted_copy(copy, cfg, tensors, tokenizer)

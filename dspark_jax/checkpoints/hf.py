@@ -50,8 +50,16 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
     rope_scaling = None
     if scaling:
         rope_theta = rope_theta or scaling.get("rope_theta")
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type is None:
+            if set(scaling) - {"rope_theta"}:  # scaling parameters whose kind is not named
+                raise ValueError(f"rope scaling {scaling} names no rope_type; cannot tell how to scale")
+            rope_type = "default"
         if rope_type == "llama3":
+            fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            missing = [f for f in fields if f not in scaling]
+            if missing:
+                raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}: {scaling}")
             rope_scaling = RopeScaling(
                 factor=float(scaling["factor"]),
                 low_freq_factor=float(scaling["low_freq_factor"]),

@@ -92,6 +92,8 @@ class Transformer(nnx.Module):
         which keeps prefill from paying for ``T x V`` logits it does not need.
         """
         batch, steps = tokens_BxT.shape
+        if steps > cache.max_len:  # the writes past the end would be dropped and the logits wrong
+            raise ValueError(f"{steps} tokens do not fit a KV cache of {cache.max_len} positions")
         positions_BxT = cache.lengths_B[:, None] + jnp.arange(steps, dtype=jnp.int32)[None, :]
         inv_freq = rope_inverse_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions_BxT, inv_freq)

@@ -1,0 +1,123 @@
+"""Reading HF tokenizer directories the way transformers 5 does (checked against transformers
+5.25: what its ``save_pretrained`` writes and what its ``AutoTokenizer`` then encodes)."""
+
+import json
+
+import gguf
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from dspark_jax.checkpoints.gguf import tokenizer_from_gguf
+from dspark_jax.tokenizer import Tokenizer
+
+BOS, EOS = "<|begin_of_text|>", "<|eot_id|>"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}" + EOS
+            + "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+def byte_level_bpe(*, bos_post_processor: bool) -> HFTokenizer:
+    """A small byte-level BPE; with ``bos_post_processor`` its post-processor puts BOS in front
+    of plain text, as Llama 3's tokenizer.json does."""
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[BOS, "<|end_of_text|>", EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["hello world, this is a tiny corpus for testing " * 20], trainer)
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    backend.post_processor = byte_level
+    if bos_post_processor:
+        prepend = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+                                                special_tokens=[(BOS, backend.token_to_id(BOS))])
+        backend.post_processor = processors.Sequence([byte_level, prepend])
+    return backend
+
+
+def tokenizer_dir(path, *, bos_post_processor=True, config=None, files=None):
+    """A tokenizer directory laid out as transformers 5's ``save_pretrained`` writes one (the chat
+    template in ``chat_template.jinja``, no ``add_bos_token``), with ``config`` and ``files``
+    replacing parts of it."""
+    path.mkdir(parents=True, exist_ok=True)
+    byte_level_bpe(bos_post_processor=bos_post_processor).save(str(path / "tokenizer.json"))
+    written = {"tokenizer_config.json": {"backend": "tokenizers", "bos_token": BOS, "eos_token": EOS,
+                                         "tokenizer_class": "TokenizersBackend", **(config or {})},
+               "chat_template.jinja": TEMPLATE, **(files or {})}
+    for name, content in written.items():
+        if content is not None:
+            (path / name).parent.mkdir(parents=True, exist_ok=True)
+            (path / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def test_plain_text_gets_what_the_post_processor_adds_and_chat_the_template_alone(tmp_path):
+    tokenizer = Tokenizer.from_directory(tokenizer_dir(tmp_path))
+    raw = tokenizer.encode("hello world", add_bos=False)
+    assert tokenizer.bos_token_id == 0 and tokenizer.eos_token_id == 2 and tokenizer.add_bos_token
+    assert tokenizer.encode("hello world") == [0] + raw == tokenizer.encode("hello world", add_bos=True)
+    chat = tokenizer.apply_chat_template(HELLO)
+    assert tokenizer.render_chat(HELLO).startswith(BOS + "<|start|>user\nhello" + EOS)
+    assert chat[0] == 0 and chat.count(0) == 1, "the template's BOS, not a second one from the post-processor"
+
+
+def test_the_config_and_the_special_tokens_map_name_the_special_tokens(tmp_path):
+    only_map = tokenizer_dir(tmp_path / "map", config={"bos_token": None, "eos_token": None},
+                             files={"special_tokens_map.json": {"bos_token": BOS, "eos_token": {"content": EOS}}})
+    tokenizer = Tokenizer.from_directory(only_map)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 2)
+    assert tokenizer.render_chat(HELLO).startswith(BOS), "the template sees bos_token"
+    overridden = tokenizer_dir(tmp_path / "both", files={"special_tokens_map.json": {"eos_token": "<|end_of_text|>"}})
+    assert Tokenizer.from_directory(overridden).eos_token_id == 1, "the map wins, as in transformers"
+
+
+def test_the_chat_template_comes_from_the_jinja_file_or_the_configs_default(tmp_path):
+    config_only = tokenizer_dir(tmp_path / "config", config={"chat_template": "C{{ messages[0]['content'] }}"},
+                                files={"chat_template.jinja": None})
+    assert Tokenizer.from_directory(config_only).render_chat(HELLO) == "Chello"
+    both = tokenizer_dir(tmp_path / "both", config={"chat_template": "C{{ messages[0]['content'] }}"})
+    assert Tokenizer.from_directory(both).render_chat(HELLO).startswith(BOS), "the jinja file wins"
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ bos_token }}"}]
+    listed = tokenizer_dir(tmp_path / "named", config={"chat_template": named}, files={"chat_template.jinja": None})
+    assert Tokenizer.from_directory(listed).render_chat(HELLO) == "D" + BOS
+    no_default = tokenizer_dir(tmp_path / "no-default", config={"chat_template": named[:1]},
+                               files={"chat_template.jinja": None, "additional_chat_templates/rag.jinja": "R"})
+    tokenizer = Tokenizer.from_directory(no_default)
+    assert tokenizer.encode("hello") == [0] + tokenizer.encode("hello", add_bos=False), "plain text still works"
+    with pytest.raises(ValueError, match=r"no default chat template \(only named ones: rag, tool_use\)"):
+        tokenizer.apply_chat_template(HELLO)
+
+
+@pytest.mark.parametrize("bos_post_processor", [False, True])
+def test_add_bos_token_in_the_config_adds_bos_once(tmp_path, bos_post_processor):
+    directory = tokenizer_dir(tmp_path / "in", bos_post_processor=bos_post_processor, config={"add_bos_token": True})
+    tokenizer = Tokenizer.from_directory(directory)
+    raw = tokenizer.encode("hello world", add_bos=False)
+    assert tokenizer.add_bos_token and tokenizer.encode("hello world") == [0] + raw
+    tokenizer.save(tmp_path / "out")
+    again = Tokenizer.from_directory(tmp_path / "out")
+    assert again.encode("hello world") == [0] + raw and again.apply_chat_template(HELLO) == tokenizer.apply_chat_template(HELLO)
+    without = Tokenizer.from_directory(tokenizer_dir(tmp_path / "none", bos_post_processor=False))
+    assert not without.add_bos_token and without.encode("hello world") == raw
+
+
+def test_add_bos_token_without_a_bos_token_is_an_error(tmp_path):
+    directory = tokenizer_dir(tmp_path, bos_post_processor=False, config={"add_bos_token": True, "bos_token": None})
+    with pytest.raises(ValueError, match="add_bos_token is set but the tokenizer names no BOS token"):
+        Tokenizer.from_directory(directory)
+
+
+def test_a_gguf_vocabulary_without_merges_loads(tmp_path):
+    """``GGUFWriter`` leaves out an empty merge list; the reader then has no merges field."""
+    tokens = ["<s>", "a", "b", "Ġ"]
+    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * 3)
+    writer.add_bos_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+    assert tokenizer.encode("ab a") == [0, 1, 2, 3, 1]
