@@ -113,6 +113,9 @@ class TargetConfig:
         return taps
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How logits become tokens. ``temperature == 0`` means greedy (argmax).
@@ -126,10 +129,13 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        # Below MIN_TEMPERATURE, logits / T overflows float32 for large logits (NaN probabilities);
+        # the reference treats such temperatures as greedy, which is 0 here.
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                             f"got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an int in [0, 2**31) (0 disables it), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 

@@ -31,11 +31,11 @@ def test_generate_prints_text_and_speed(target_only_france):
 
 def test_bad_sampling_arguments_are_clear_errors(capsys):
     assert main(["generate", "--prompt", "Hi", "--temperature", "-1"]) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be 0 (greedy) or a finite number >= 1e-05" in capsys.readouterr().err
     assert main(["bench", "--temperature", "0.7", "--top-p", "0"]) == 2  # bench samples as generate does
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     assert main(["calibrate", "--temperature", "0.7", "--top-k", "-3"]) == 2
-    assert "top_k must be an int >= 0" in capsys.readouterr().err
+    assert "top_k must be an int in [0, 2**31)" in capsys.readouterr().err
 
 
 def test_empty_prompt_is_refused():
@@ -298,7 +298,7 @@ def test_eval_heldout_names_its_cache_by_prompts_and_answer_sampling():
     (["--benchmarks", "b", "--data-seed", "2"], "do not apply"),
     (["--benchmarks", "b", "--num-prompts", "10"], "divisible by 3"),  # not a third per domain
     (["--top-k", "20"], "go with --temperature"),
-    (["--temperature", "-1"], "temperature must be >= 0"),  # SamplingConfig's own check
+    (["--temperature", "-1"], "temperature must be 0 (greedy) or a finite number >= 1e-05"),  # SamplingConfig's own check
     (["--temperature", "1", "--top-p", "0"], "top_p must be in"),
     (["--replay", "96"], "--replay needs --temperature 0"),  # sampled answers are not greedy decoding's path
     (["--replay", "96", "--temperature", "1"], "--replay needs --temperature 0"),

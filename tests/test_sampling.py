@@ -188,7 +188,12 @@ def test_sampling_jits_without_recompiling_for_new_values():
     "kwargs, match",
     [
         (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("inf")), "finite"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=1e-30), r"0 \(greedy\) or a finite number >= 1e-05"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=True), "top_k"),
+        (dict(top_k=2**31), r"\[0, 2\*\*31\)"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
     ],

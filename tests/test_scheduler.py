@@ -265,6 +265,8 @@ def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real):
     assert np.concatenate(alone.verify_lengths).mean() < lengths.mean()
     with pytest.raises(ValueError, match="verify_widths"):
         SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs), verify_widths=(1, 8))
+    with pytest.raises(ValueError, match="a calibration of 3 positions for a drafter of γ=7"):
+        decoder.with_policy(SchedulerPolicy.from_tables(costs, [Calibration((1.0,) * 3, (0.0,) * 3)]))
 
 
 def test_profiling_fills_in_the_cost_table(real):

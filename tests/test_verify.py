@@ -57,6 +57,14 @@ def test_verify_length_zero_is_one_plain_decode_step():
     assert int(out.num_accepted_B[0]) == 0
 
 
+def test_a_length_past_the_scored_drafts_counts_the_scored_ones():
+    """Width 3 scores the anchor and two drafts: ℓ = 3 verifies those two, and when both pass the
+    bonus comes from the last scored position (not a residual against an unscored third draft)."""
+    out = run([[1, 2, 3]], [[1, 2, 4]], [3])
+    assert int(out.num_accepted_B[0]) == 2
+    np.testing.assert_array_equal(out.emitted_BxE[0], [1, 2, 4, -1])
+
+
 def test_per_row_verify_lengths():
     tokens = [[1, 2, 3], [1, 2, 3], [1, 2, 3]]
     target = [[1, 2, 3, 4]] * 3

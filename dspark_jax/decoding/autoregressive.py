@@ -106,7 +106,9 @@ class Requests:
         (bucketed to their longest), lengths, sampling parameters and PRNG keys."""
         lens = [self.lens[i] for i in indices]
         index = np.asarray(indices)
-        picked = jax.tree.map(lambda x: x[index], (self.params, self.keys_B))
+        # Gathered on the host: indexing the device arrays would compile a gather per batch shape,
+        # after any warm-up.
+        picked = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[index]), (self.params, self.keys_B))
         return self.padded_BxP[index, : bucket(max(lens))], lens, *picked
 
     def check_fits(self, max_new_tokens: int, slack: int, max_len: int) -> None:

@@ -320,9 +320,9 @@ class SpeculativeDecoder:
         if not self.cfg.confidence_head:
             # A policy that needs confidence fails here, not at the first draft.
             jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool), SamplingParams.broadcast(SamplingConfig(), 1)))
-        check_widths = getattr(policy, "check_widths", None)
-        if check_widths is not None:
-            check_widths(self.verify_widths)
+        for check, value in (("check_widths", self.verify_widths), ("check_gamma", gamma)):
+            if hasattr(policy, check):  # a mismatch fails here, not at the first draft
+                getattr(policy, check)(value)
         target, graph = self.target, self.drafter_graph
 
         def propose(params, drafter_state, state, keys_B, sampling):

@@ -54,8 +54,8 @@ def verify(
 ) -> Verdict:
     """Accept a prefix of each row's draft and add one target token (see module docstring).
 
-    ``target_logits`` has a static width ``W >= max(verify_len) + 1``; positions past a row's
-    ``ℓ + 1`` are ignored. ``keys_B`` are this round's per-request keys; ``stop_ids`` an int array
+    ``target_logits`` has a static width ``W``; positions past a row's ``ℓ + 1`` are ignored,
+    and a row's ``ℓ`` counts up to ``W − 1`` (the drafts the target scored). ``keys_B`` are this round's per-request keys; ``stop_ids`` an int array
     (possibly empty) of tokens that end a request.
     """
     batch, gamma = draft_tokens_BxG.shape
@@ -67,6 +67,8 @@ def verify(
 
     # Acceptance tests for the drafted positions the verify width covers.
     checked = min(gamma, width - 1)
+    # A length past the scored drafts would take a rejection where none was tested.
+    verify_len_B = jnp.minimum(verify_len_B, checked)
     tokens = draft_tokens_BxG[:, :checked]
     p_of_x = jnp.take_along_axis(p_BxWxV[:, :checked], tokens[..., None], axis=-1)[..., 0]
     q_of_x = jnp.take_along_axis(q_BxGxV[:, :checked], tokens[..., None], axis=-1)[..., 0]

@@ -207,6 +207,10 @@ class SchedulerPolicy:
             raise ValueError(f"the decoder verifies at widths {list(verify_widths)} but the scheduler's cost table "
                              f"times {list(self.widths)}; build the decoder with verify_widths={self.widths}")
 
+    def check_gamma(self, gamma: int) -> None:
+        if self.calibrations and len(self.calibrations[0].temperatures) != gamma:
+            raise ValueError(f"a calibration of {len(self.calibrations[0].temperatures)} positions for a drafter of γ={gamma}")
+
     def _table(self, batch: int) -> tuple[list[int], list[float], float | None]:
         """``(widths, seconds, plain seconds or None)`` for ``batch`` rows."""
         if self.costs is None:
@@ -225,8 +229,7 @@ class SchedulerPolicy:
     def _survival(self, confidence_BxG, gamma: int, sampling: SamplingParams) -> jax.Array:
         if confidence_BxG is None:
             raise ValueError("the scheduler needs a drafter with a confidence head")
-        if self.calibrations and len(self.calibrations[0].temperatures) != gamma:
-            raise ValueError(f"a calibration of {len(self.calibrations[0].temperatures)} positions for a drafter of γ={gamma}")
+        self.check_gamma(gamma)
         index_B = calibration_index(self.calibrations, sampling)
         raw = ((1.0,) * gamma, (0.0,) * gamma)
         temperatures = jnp.asarray([c.temperatures for c in self.calibrations] + [raw[0]], jnp.float32)
