@@ -145,7 +145,7 @@ def cmd_generate(args) -> int:
         name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
         if note:
             print(f"note: {note}", file=sys.stderr)
-        runner = make_decoder(target, drafter, policy)
+        runner = make_decoder(target, drafter, policy, profile_sampling=sampling)
     else:
         runner = AutoregressiveGenerator(target)
     max_len = runner.cache_len_for([len(ids)], args.max_new_tokens)
@@ -218,7 +218,7 @@ def cmd_batch(args) -> int:
         # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
         longest = max(len(r.ids) for r in own_requests)
         runner = make_decoder(
-            target, drafter, policy, profile_batches=(args.batch_size,), mesh=mesh,
+            target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
             profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
                                       drafter.cfg.block_size + 1))
         if isinstance(runner.policy, SchedulerPolicy):
@@ -279,7 +279,7 @@ def cmd_bench(args) -> int:
     name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, sampling=sampling)
     if note:
         print(f"note: {note}")
-    decoder = make_decoder(target, drafter, policy)
+    decoder = make_decoder(target, drafter, policy, profile_sampling=sampling)
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     print(f"target-only vs speculative decoding, drafter {_describe(name, drafter, decoder)}; "
           f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {sampling.describe()}")
@@ -392,10 +392,12 @@ def cmd_convert(args) -> int:
 
 def cmd_profile(args) -> int:
     """Time a round at every verify width for each batch size: the scheduler's cost table."""
+    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.scheduler.profile import profile_round_costs, save_cost_tables
 
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
     target, _ = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
@@ -403,9 +405,11 @@ def cmd_profile(args) -> int:
                                  verify_widths=args.widths)
     tables = {}
     for batch in args.batch:
-        tables[batch] = profile_round_costs(decoder, batch, max_len=args.max_len, repeats=args.repeats)
+        tables[batch] = profile_round_costs(decoder, batch, max_len=args.max_len, repeats=args.repeats,
+                                            sampling=sampling)
         print(f"B={batch}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f} ms" for w, s in tables[batch].items()))
     path = save_cost_tables(args.out, tables, drafter=name, max_len=args.max_len, repeats=args.repeats,
+                            sampling=sampling.describe(),
                             statistic="median seconds of a draft + verify round", machine=machine_info())
     print(f"wrote {path}; use it with --policy scheduler:{path}")
     return 0
@@ -426,7 +430,17 @@ def cmd_calibrate(args) -> int:
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     if not drafter.cfg.confidence_head:
         raise SystemExit(f"--drafter {args.drafter!r}: a {drafter.cfg.kind} drafter has no confidence head to calibrate")
-    texts = [p.text for p in build_prompts(args.prompts, seed=args.data_seed, mix=MIX)]
+    if args.exclude_config:
+        from dspark_jax.training.train import load_config, prompts_not_trained_on
+
+        fresh = prompts_not_trained_on([load_config(path) for path in args.exclude_config], 4 * args.prompts,
+                                       seed=args.data_seed, mix=MIX)
+        if len(fresh) < args.prompts:
+            raise SystemExit(f"--exclude-config: only {len(fresh)} of {4 * args.prompts} generated prompts are "
+                             f"untrained; ask for fewer --prompts or another --data-seed")
+        texts = [p.text for p in fresh[: args.prompts]]
+    else:
+        texts = [p.text for p in build_prompts(args.prompts, seed=args.data_seed, mix=MIX)]
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
     logits, accepted = calibrate.collect_rounds(
@@ -434,7 +448,8 @@ def cmd_calibrate(args) -> int:
         stop_ids=[tokenizer.eos_token_id], seed=args.seed)
     fitted = calibrate.fit_calibration(logits, accepted, args.method)
     path = calibrate.save_calibration(directory, fitted, sampling, drafter=name, prompts=args.prompts,
-                                      data_seed=args.data_seed, max_new_tokens=args.max_new_tokens)
+                                      data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
+                                      excluded_configs=[Path(path).name for path in args.exclude_config])
     print(f"{sampling.describe()} ({args.method}): {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}; "
           f"biases {_fmt_values(fitted['biases'])}")
     print(f"ECE of the survival per position: {_fmt_values(fitted['ece_before'])} -> {_fmt_values(fitted['ece_after'])}")
@@ -581,6 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--widths", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8; the full-block width γ + 1 is always added)")
     prof.add_argument("--max-len", type=positive_int, default=256, help="cache length to time with (default 256)")
     prof.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per width; the median counts")
+    prof.add_argument("--temperature", type=float, default=0.0,
+                      help="decode the timed rounds with this sampling (default greedy): sampled rounds cost more")
+    prof.add_argument("--top-k", type=int, default=0)
+    prof.add_argument("--top-p", type=float, default=1.0)
     prof.add_argument("--out", required=True, help="JSON cost table to write")
     prof.set_defaults(func=cmd_profile)
 
@@ -588,7 +607,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     cal.add_argument("--prompts", type=positive_int, default=48, help="held-out prompts to decode (default 48)")
     cal.add_argument("--data-seed", type=int, default=1000,
-                     help="seed of the generated prompt mix (default 1000; no shipped drafter trained on it)")
+                     help="seed of the generated prompt mix (default 1000, a seed no shipped drafter trained on; "
+                          "the generators reuse templates, so --exclude-config the drafter's training config)")
+    cal.add_argument("--exclude-config", action="append", default=[], metavar="CONFIG",
+                     help="a training config (configs/NAME.py) whose prompts are left out; repeatable")
     cal.add_argument("--max-new-tokens", type=positive_int, default=96)
     cal.add_argument("--temperature", type=float, default=0.0, help="0 = calibrate for greedy decoding")
     cal.add_argument("--top-k", type=int, default=0)

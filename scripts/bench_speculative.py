@@ -195,7 +195,7 @@ def main(argv=None) -> int:
                 name, n = f"{base}#{n}", n + 1
             if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and weights in profiles:
                 chosen = dataclasses.replace(chosen, costs=profiles[weights])
-            decoders[name] = make_decoder(target, drafter, chosen)
+            decoders[name] = make_decoder(target, drafter, chosen, profile_sampling=sampling)
             if isinstance(decoders[name].policy, SchedulerPolicy):
                 profiles.setdefault(weights, decoders[name].policy.costs)
             drafters[name] = {

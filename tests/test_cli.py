@@ -199,10 +199,14 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     drafter = tmp_path / "drafter"
     shutil.copytree(random_drafter_dir, drafter)
     costs = tmp_path / "costs.json"
-    assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--out", str(costs)]) == 0
+    assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--temperature", "1", "--top-k", "20",
+                 "--out", str(costs)]) == 0
     assert sorted(load_cost_tables(costs)[1]) == [0, 1, 2, 4, 8]  # 0: a round without a draft
-    assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8"]) == 0
+    assert json.loads(costs.read_text())["sampling"] == "T=1 top-k 20"
+    assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8",
+                 "--exclude-config", str(REPO / "configs" / "tiny_test.py")]) == 0
     entry = json.loads((drafter / "calibration.json").read_text())["greedy"]
+    assert entry["excluded_configs"] == ["tiny_test.py"]
     assert len(entry["temperatures"]) == len(entry["biases"]) == 7 and entry["rounds"] > 0
     assert entry["method"] == "platt" and len(entry["ece_after"]) == len(entry["log_loss_after"]) == 7
     capsys.readouterr()

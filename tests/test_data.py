@@ -20,10 +20,12 @@ from dspark_jax.training.data import (
     check_against_benchmarks,
     check_no_overlap,
     load_benchmark_prompts,
+    normalise_text,
     read_jsonl,
     write_jsonl,
 )
 
+REPO = Path(__file__).parents[1]
 FIXTURE = Path(__file__).parent / "fixtures" / "benchmark_prompts.jsonl"
 SHARED_BENCHMARKS = Path("/work/shared/benchmarks")
 
@@ -218,3 +220,17 @@ def test_jsonl_round_trip(tmp_path):
     prompts = build_prompts(40, seed=5)
     write_jsonl(prompts, tmp_path / "p.jsonl")
     assert read_jsonl(tmp_path / "p.jsonl") == prompts
+
+
+def test_other_seeds_can_repeat_training_prompts_and_the_exclusion_removes_them():
+    """The shipped drafters trained on thousands of prompts; calibration's default seed (1000)
+    repeats some of them word for word, which ``prompts_not_trained_on`` leaves out."""
+    from dspark_jax.training.train import load_config, prompts_not_trained_on, training_prompts
+
+    shipped = load_config(REPO / "configs" / "smollm2_135m_dspark.py")
+    trained = {normalise_text(p.text) for leg in shipped.legs for p in training_prompts(leg)}
+    generated = build_prompts(48, seed=1000, mix=MIX)
+    repeated = [p for p in generated if normalise_text(p.text) in trained]
+    assert repeated, "seed 1000 repeats no training prompt any more: the test lost its point"
+    fresh = prompts_not_trained_on([shipped], 48, seed=1000, mix=MIX)
+    assert len(fresh) == 48 - len(repeated) and not any(normalise_text(p.text) in trained for p in fresh)

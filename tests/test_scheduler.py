@@ -283,6 +283,23 @@ def test_profiling_fills_in_the_cost_table(real):
         profile_round_costs(decoder, 1, max_len=64, repeats=20)
 
 
+def test_a_decoder_is_profiled_with_the_sampling_it_will_decode_with(real, monkeypatch):
+    """Sampled rounds filter and softmax every verified position, so they are timed as such."""
+    from dspark_jax.eval.compare import make_decoder
+
+    target, drafter, _, _ = real
+    timed = []
+
+    def fake_profile(decoder, batch, **kwargs):
+        timed.append((batch, kwargs.get("sampling")))
+        return {PLAIN: 1.0, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3}
+
+    monkeypatch.setattr("dspark_jax.scheduler.profile.profile_round_costs", fake_profile)
+    sampled = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8)
+    decoder = make_decoder(target, drafter, SchedulerPolicy(), profile_batches=(1, 4), profile_sampling=sampled)
+    assert timed == [(1, sampled), (4, sampled)] and decoder.policy.costs is not None
+
+
 def test_worth_drafting_compares_with_a_round_without_a_draft():
     table = {1: {PLAIN: 0.6, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}
     z = jnp.asarray([[3.0] * 7])  # σ ≈ 0.95 each: drafts pay

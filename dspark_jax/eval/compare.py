@@ -105,14 +105,15 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
 
 
 def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1,), profile_max_len: int = 256,
-                 mesh=None):
+                 profile_sampling=None, mesh=None):
     """A decoder for ``policy`` (None: the decoder's default), its batches split over ``mesh`` if given.
 
     A fixed policy verifies the same number of drafts every round, so only that one verify width
     is ever used: the decoder gets just it (plus the full-block width it always adds) and its
     warm-up compiles nothing else. Other policies keep the default width buckets. A scheduler
     policy without a cost table is profiled here, at each of ``profile_batches`` with a
-    ``profile_max_len`` cache.
+    ``profile_max_len`` cache, decoding with ``profile_sampling`` (default greedy): sampled rounds
+    cost more than greedy ones (the filters and softmaxes over every verified position).
     """
     import inspect
 
@@ -128,7 +129,7 @@ def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1
     if getattr(policy, "widths", None):
         kwargs["verify_widths"] = policy.widths
     return profiled(SpeculativeDecoder(target, drafter, mesh=mesh, **kwargs), tuple(profile_batches),
-                    max_len=profile_max_len)
+                    max_len=profile_max_len, sampling=profile_sampling)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,22 +478,26 @@ def load_training_set(config: TrainConfig, names: list[str]) -> list[CachedSeque
     return [s for s in load_target_cache(config.cache_path, shards) if s.name in wanted]
 
 
+def prompts_not_trained_on(configs: Sequence[TrainConfig], count: int, *, seed: int, mix) -> list:
+    """``build_prompts(count, seed, mix)`` less the text of every prompt any leg of ``configs``
+    trained on, in order. Seeds alone do not keep sets apart: the generators reuse templates and
+    sources (a stdlib function, a word problem's numbers), so another seed can repeat a prompt."""
+    from dspark_jax.training.data import build_prompts, normalise_text
+
+    data_sets = {(leg.num_prompts, leg.data_sources): leg for config in configs for leg in config.legs}
+    seen = {normalise_text(p.text) for leg in data_sets.values() for p in training_prompts(leg)}
+    return [p for p in build_prompts(count, seed=seed, mix=mix) if normalise_text(p.text) not in seen]
+
+
 def heldout_prompts(config: TrainConfig) -> list:
     """Fresh prompts of ``heldout_mix`` (``heldout_seed``) with the text of every prompt any leg
     trained on removed (and checked against the benchmarks), in order; the first
     ``heldout_prompts`` that fit ``max_prompt_tokens`` are the held-out set."""
-    from dspark_jax.training.data import (
-        MIXES,
-        build_prompts,
-        check_against_benchmarks,
-        normalise_text,
-    )
+    from dspark_jax.training.data import MIXES, check_against_benchmarks
 
     # Every leg's, not only this one's: a leg on fresh seeds is compared with the legs before it.
-    data_sets = {(leg.num_prompts, leg.data_sources): leg for leg in config.legs}
-    seen = {normalise_text(p.text) for leg in data_sets.values() for p in training_prompts(leg)}
-    fresh = [p for p in build_prompts(4 * config.heldout_prompts, seed=config.heldout_seed, mix=MIXES[config.heldout_mix])
-             if normalise_text(p.text) not in seen]
+    fresh = prompts_not_trained_on([config], 4 * config.heldout_prompts, seed=config.heldout_seed,
+                                   mix=MIXES[config.heldout_mix])
     if config.benchmarks_dir is not None:
         check_against_benchmarks(fresh, config.benchmarks_dir)
     return fresh
