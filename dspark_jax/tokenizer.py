@@ -75,6 +75,7 @@ class Tokenizer:
         unk_token_id: int | None = None,
         chat_template: str | None = None,
         named_chat_templates: Sequence[str] = (),
+        add_bos_token: bool = False,
     ):
         self.backend = tokenizer
         self.bos_token_id = bos_token_id
@@ -85,6 +86,8 @@ class Tokenizer:
         # Names of templates other than the default one (e.g. "tool_use"), for the error when
         # there is no default to render with.
         self.named_chat_templates = tuple(named_chat_templates)
+        if add_bos_token:  # where the post-processor does not already
+            self._add_bos_to_plain_text()
 
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -106,7 +109,7 @@ class Tokenizer:
             return None if token is None else backend.token_to_id(token)
 
         template, named = _chat_templates(directory, config)
-        tokenizer = cls(
+        return cls(
             backend,
             bos_token_id=token_id("bos_token"),
             eos_token_id=token_id("eos_token"),
@@ -114,12 +117,10 @@ class Tokenizer:
             unk_token_id=token_id("unk_token"),
             chat_template=template,
             named_chat_templates=named,
+            add_bos_token=bool(config.get("add_bos_token", False)),
         )
-        if config.get("add_bos_token"):
-            tokenizer.add_bos_to_plain_text()
-        return tokenizer
 
-    def add_bos_to_plain_text(self) -> None:
+    def _add_bos_to_plain_text(self) -> None:
         """Make ``encode`` start plain text with BOS (a no-op where it already does)."""
         if self.add_bos_token:
             return

@@ -205,17 +205,15 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
         value = _field(reader, key)
         return None if value is None else int(value)
 
-    tokenizer = Tokenizer(
+    return Tokenizer(
         backend,
         bos_token_id=token_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=token_id("tokenizer.ggml.eos_token_id"),
         pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
         unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     )
-    if _field(reader, "tokenizer.ggml.add_bos_token", False):
-        tokenizer.add_bos_to_plain_text()
-    return tokenizer
 
 
 @functools.cache

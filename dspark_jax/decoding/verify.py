@@ -55,8 +55,9 @@ def verify(
     """Accept a prefix of each row's draft and add one target token (see module docstring).
 
     ``target_logits`` has a static width ``W``; positions past a row's ``ℓ + 1`` are ignored,
-    and a row's ``ℓ`` counts up to ``W − 1`` (the drafts the target scored). ``keys_B`` are this round's per-request keys; ``stop_ids`` an int array
-    (possibly empty) of tokens that end a request.
+    and a row's ``ℓ`` counts up to ``W − 1`` (the drafts the target scored). ``keys_B`` are this
+    round's per-request keys; ``stop_ids`` an int array (possibly empty) of tokens that end a
+    request.
     """
     batch, gamma = draft_tokens_BxG.shape
     width = target_logits_BxWxV.shape[1]
