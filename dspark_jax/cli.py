@@ -103,7 +103,8 @@ def policy_text(policy) -> str:
                           for b, table in policy.costs or ())
         fits = ", ".join("any" if c.sampling is None else c.sampling.describe() for c in policy.calibrations)
         calibrated = f"calibrated for {fits}" if fits else "uncalibrated"
-        return f"scheduler ({calibrated}; round cost {costs or 'not profiled'})"
+        name = "scheduler-ahead" if policy.plan_ahead else "scheduler"
+        return f"{name} ({calibrated}; round cost {costs or 'not profiled'})"
     return repr(policy)
 
 
@@ -214,7 +215,7 @@ def cmd_batch(args) -> int:
         if note:
             print(f"note: {note}", file=sys.stderr)
         if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
-            policy = SchedulerPolicy.from_tables(own_job.scheduler_costs, policy.calibrations)
+            policy = policy.with_tables(own_job.scheduler_costs)
         # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
         longest = max(len(r.ids) for r in own_requests)
         runner = make_decoder(
@@ -515,8 +516,9 @@ def add_process_arguments(parser, shared: str) -> None:
 
 DRAFTER_HELP = "a shipped drafter name (smollm2_135m_dspark, _dflash, _eagle3) or a drafter checkpoint directory"
 POLICY_HELP = ("verify lengths: fixed:K (K drafts per round), threshold:X (confidence >= X), scheduler (Algorithm 1 "
-               "over a cost table profiled at start) or scheduler:PROFILE.json (from dspark profile); "
-               "default: the decoder's (fixed:7)")
+               "over a cost table profiled at start), scheduler:PROFILE.json (from dspark profile), or "
+               "scheduler-ahead[:PROFILE.json] (the paper's production variant: each round's width planned from the "
+               "last); default: the decoder's (fixed:7)")
 
 
 def build_parser() -> argparse.ArgumentParser:

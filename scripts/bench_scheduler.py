@@ -18,13 +18,14 @@ SmolLM2-135M-Instruct target with a shipped drafter, greedy:
 Writes JSON (``--out``) and a PNG of throughput against B next to it; the last line printed is
 ``{"speedup": {"<policy>": {"<B>": ratio}}, "identical": ...}``.
 
-    .venv/bin/python scripts/bench_scheduler.py                   # B in 1 4 8, three policies
+    .venv/bin/python scripts/bench_scheduler.py                   # B in 1 4 8, four policies
     .venv/bin/python scripts/bench_scheduler.py --quick           # B in 1 4, 12 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,7 +41,7 @@ def parse_args(argv):
     ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
     ap.add_argument("--drafter", default="smollm2_135m_dspark")
     ap.add_argument("--policy", action="append", default=None,
-                    help="repeatable (default: fixed:7, threshold:0.4, scheduler)")
+                    help="repeatable (default: fixed:7, threshold:0.4, scheduler, scheduler-ahead)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 4 8; --quick: 1 4)")
     ap.add_argument("--batches-per-size", type=int, default=None, help="batches timed per B (default 2; --quick: 1)")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick: 12)")
@@ -49,7 +50,7 @@ def parse_args(argv):
     ap.add_argument("--out", default="docs/scheduler/bench_scheduler_batch.json")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
-    args.policy = args.policy or ["fixed:7", "threshold:0.4", "scheduler"]
+    args.policy = args.policy or ["fixed:7", "threshold:0.4", "scheduler", "scheduler-ahead"]
     args.batches = args.batches or ([1, 4] if args.quick else [1, 4, 8])
     args.batches_per_size = args.batches_per_size or (1 if args.quick else 2)
     args.max_new_tokens = args.max_new_tokens or (12 if args.quick else 64)
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.eval.compare import json_clean, make_decoder
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
     from dspark_jax.scheduler.profile import policy_summary
 
     policies = [(text, parse_policy_arg(text)) for text in args.policy]
@@ -118,14 +120,19 @@ def main(argv=None) -> int:
     # default buckets alike (checked below), so one cache length serves them all.
     slack = read_drafter_config(resolve_drafter(args.drafter)[1])[0].block_size + 1
     max_len_spec = cache_len([len(p) for p in prompts], args.max_new_tokens, limit, slack)
-    decoders = {}
+    decoders, costs = {}, None
     for text, policy in policies:
         _, drafter, chosen, note = load_drafter_arg(args.drafter, target, policy)
         if note:
             print(f"note: {text}: {note}", file=sys.stderr)
-        # A scheduler without a table is timed here, at every B, on the cache length decoding uses.
+        # A scheduler without a table is timed here, at every B, on the cache length decoding
+        # uses; once, so that schedulers compared side by side weigh the same costs.
+        if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and costs is not None:
+            chosen = dataclasses.replace(chosen, costs=costs)
         decoders[text] = make_decoder(target, drafter, chosen, profile_batches=args.batches,
                                       profile_max_len=max_len_spec)
+        if isinstance(decoders[text].policy, SchedulerPolicy):
+            costs = costs or decoders[text].policy.costs
         if decoders[text].slack != slack:
             raise SystemExit(f"--policy {text}: verifies up to {decoders[text].slack} tokens a row, not γ + 1 = {slack}")
     baseline = AutoregressiveGenerator(target)

@@ -59,7 +59,8 @@ def parse_args(argv):
     ap.add_argument("--compare-baselines", action="store_true",
                     help="also run the three shipped drafters (DSpark, DFlash, EAGLE-3)")
     ap.add_argument("--policy", action="append", default=None,
-                    help="fixed:K, threshold:X, scheduler (profiled at start, B=1) or scheduler:PROFILE.json; "
+                    help="fixed:K, threshold:X, scheduler (profiled at start, B=1), scheduler:PROFILE.json, or "
+                    "scheduler-ahead[:PROFILE.json] (each round's width planned from the last); "
                     "repeatable: every drafter runs with every policy, side by side (drafters without a "
                     "confidence head run fixed:γ instead); default: the decoder's (fixed:7)")
     ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 2)")

@@ -1,5 +1,6 @@
 """The hardware-aware prefix scheduler: Algorithm 1, its non-anticipation, and the decoder with it."""
 
+import dataclasses
 import json
 
 import jax
@@ -36,20 +37,25 @@ def greedy(batch):
     return SamplingParams.broadcast(SamplingConfig(), batch)
 
 
-def algorithm_1(a_BxG, active_B, widths, costs, baseline_cost=None):
-    """Paper Algorithm 1 as a plain loop (the oracle): admit candidates by ``a`` until Θ stops rising."""
+def algorithm_1(a_BxG, active_B, widths, costs, baseline_cost=None, floor=0):
+    """Paper Algorithm 1 as a plain loop (the oracle): admit candidates by ``a`` until Θ stops
+    rising, starting from ``floor`` drafts for every active row."""
     batch, gamma = a_BxG.shape
+    floor = min(floor, gamma)
     candidates = sorted(
-        ((float(a_BxG[r, j]), j + 1, r) for r in range(batch) if active_B[r] for j in range(gamma)),
+        ((float(a_BxG[r, j]), j + 1, r) for r in range(batch) if active_B[r] for j in range(floor, gamma)),
         key=lambda c: (-c[0], c[1], c[2]),
     )
 
     def cost(longest):
         return costs[next(i for i, w in enumerate(widths) if w >= longest + 1)]
 
-    lengths = [0] * batch
-    tokens = float(sum(active_B))
-    best = tokens / (cost(0) if baseline_cost is None else baseline_cost)
+    lengths = [floor if active_B[r] else 0 for r in range(batch)]
+    tokens = float(sum(active_B)) + sum(float(a_BxG[r, :floor].sum()) for r in range(batch) if active_B[r])
+    if floor and any(active_B):
+        best = tokens / cost(floor)
+    else:
+        best = tokens / (cost(0) if baseline_cost is None else baseline_cost)
     for a, j, r in candidates:
         tokens += a
         longest = max(max(lengths), j)
@@ -91,6 +97,11 @@ def test_matches_algorithm_1(curve):
         cheaper = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, baseline_cost=plain))
         assert cheaper.tolist() == algorithm_1(a, active, widths, costs, baseline_cost=plain)
         assert cheaper.tolist() in (got.tolist(), [0] * batch)  # only the first admission differs
+        # From a planned floor: those drafts first, then the search as from zero.
+        floor = int(rng.integers(0, 9))
+        planned = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, floor=jnp.int32(floor)))
+        assert planned.tolist() == algorithm_1(a, active, widths, costs, floor=floor)
+        assert (planned[active] >= min(floor, 7)).all() and (planned[~active] == 0).all()
     assert len(chosen) >= 3, chosen  # the cases exercise several prefix lengths
 
 
@@ -139,14 +150,16 @@ def test_admission_of_a_draft_does_not_depend_on_the_draft_itself(curve):
     widths, costs = CURVES[curve]
     rng = np.random.default_rng(1)
     active = jnp.ones((3,), bool)
-    for _ in range(60):
+    for case in range(120):
+        floor = 0 if case < 60 else int(rng.integers(1, 7))  # a planned floor: the same must hold above it
         c = rng.uniform(0.05, 1.0, (3, 7))
-        base = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(c, 1), jnp.float32), active, widths, costs))
+        base = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(c, 1), jnp.float32), active, widths, costs, floor=floor))
         r, k = int(rng.integers(3)), int(rng.integers(1, 7))
         for _ in range(5):
             changed = c.copy()
             changed[r, k:] = rng.uniform(0.0, 1.0, 7 - k)
-            got = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(changed, 1), jnp.float32), active, widths, costs))
+            got = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(changed, 1), jnp.float32), active, widths, costs,
+                                            floor=floor))
             assert (got[r] >= k) == (base[r] >= k)
 
 
@@ -231,9 +244,17 @@ def test_policy_errors_name_the_problem(tmp_path):
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not a dspark-jax-cost-table"):
         load_cost_tables(bad)
+    for tables, problem in (({"1": {"1": 0.1, "01": 0.2}}, "'01' is not a batch size or width"),
+                            ({"1": {"1": True}}, "True is not a number of seconds"),
+                            ({"1": {"1": "0.1"}}, "'0.1' is not a number of seconds")):
+        bad.write_text(json.dumps({"format": "dspark-jax-cost-table", "version": 1, "tables": tables}))
+        with pytest.raises(ValueError, match=problem):
+            load_cost_tables(bad)
     path = save_cost_tables(tmp_path / "costs.json", table, note="test")
     assert parse_policy(f"scheduler:{path}") == policy
     assert parse_policy("scheduler") == SchedulerPolicy()
+    assert parse_policy(f"scheduler-ahead:{path}") == dataclasses.replace(policy, plan_ahead=True)
+    assert parse_policy("scheduler-ahead") == SchedulerPolicy(plan_ahead=True)
 
 
 @pytest.fixture(scope="module")
@@ -244,12 +265,14 @@ def real(embedded_target):
     return target, random_drafter(target.cfg, 7), prompts, reference
 
 
-def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real):
+@pytest.mark.parametrize("plan_ahead", [False, True], ids=["algorithm-1", "ahead"])
+def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real, plan_ahead):
     """A synthetic cost table (so the test does not hang on timing): lengths vary with the
-    drafter's confidences, greedy output equals target-only, nothing compiles after warm-up."""
+    drafter's confidences, greedy output equals target-only, nothing compiles after warm-up
+    (a planned floor is data, not a shape)."""
     target, drafter, prompts, reference = real
     costs = {len(prompts): {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}}
-    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs))
+    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs, plan_ahead=plan_ahead))
     decoder.warmup(len(prompts), max(len(p) for p in prompts), 256)
     decoder.warmup(1, len(prompts[2]), 256)
     with count_compilations() as counter:
@@ -300,14 +323,55 @@ def test_a_decoder_is_profiled_with_the_sampling_it_will_decode_with(real, monke
     assert timed == [(1, sampled), (4, sampled)] and decoder.policy.costs is not None
 
 
-def test_worth_drafting_compares_with_a_round_without_a_draft():
+def plan_oracle(a_BxG, active_B, widths, costs, plain=None):
+    """The next round's plan as a plain loop: the best Θ over a plain round and every width,
+    each row verifying all its drafts up to the width; ties to the cheaper."""
+    gamma = a_BxG.shape[1]
+    rows = [r for r in range(len(active_B)) if active_B[r]]
+    options = [] if plain is None else [(len(rows) / plain, -1)]
+    for w, cost in zip(widths, costs):
+        ell = min(w - 1, gamma)
+        options.append(((len(rows) + sum(float(a_BxG[r, :ell].sum()) for r in rows)) / cost, ell))
+    best = max(theta for theta, _ in options)
+    return next(ell for theta, ell in options if theta >= best * (1 - 1e-6))
+
+
+def test_the_next_rounds_plan_is_a_global_search_over_widths():
     table = {1: {PLAIN: 0.6, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}
-    z = jnp.asarray([[3.0] * 7])  # σ ≈ 0.95 each: drafts pay
+    z = jnp.asarray([[3.0] * 7])  # σ ≈ 0.95 each: the whole block pays
     active = jnp.ones((1,), bool)
-    assert bool(SchedulerPolicy.from_tables(table).worth_drafting(z, active, greedy(1)))
-    assert not bool(SchedulerPolicy.from_tables(table).worth_drafting(-z, active, greedy(1)))  # σ ≈ 0.05: they do not
-    # The one-comparison shortcut is Algorithm 1 against the plain baseline, on random batches.
+    ahead = SchedulerPolicy.from_tables(table, plan_ahead=True)
+    assert int(ahead.plan_next_round(z, active, greedy(1))) == 7
+    assert int(ahead.plan_next_round(-z, active, greedy(1))) == -1  # σ ≈ 0.05: plain
+    no_plain = SchedulerPolicy.from_tables({1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}, plan_ahead=True)
+    assert int(no_plain.plan_next_round(-z, active, greedy(1))) == 0  # nothing cheaper than drafting
     rng = np.random.default_rng(3)
+    plans = set()
+    for _ in range(100):
+        batch = int(rng.integers(1, 5))
+        costs = np.sort(rng.uniform(1.0, 2.0, 4)).tolist()
+        plain = float(rng.uniform(0.5, 1.0)) if rng.uniform() < 0.5 else None
+        tables = {batch: dict(zip((1, 2, 4, 8), costs)) | ({} if plain is None else {PLAIN: plain})}
+        logits = jnp.asarray(rng.normal(1.0, 2.0, (batch, 7)), jnp.float32)
+        rows = rng.uniform(size=batch) < 0.8
+        plan = int(SchedulerPolicy.from_tables(tables, plan_ahead=True).plan_next_round(logits, jnp.asarray(rows),
+                                                                                       greedy(batch)))
+        assert plan == plan_oracle(np.asarray(survival(logits)), rows, (1, 2, 4, 8), costs, plain)
+        plans.add(plan)
+    assert len(plans) >= 4, plans  # the cases exercise plain rounds and several widths
+
+
+def test_without_planning_ahead_the_next_round_drafts_if_algorithm_1_would_have_drafted():
+    """Algorithm 1 against the plain round's cost, on random batches: the next round drafts
+    (floor 0) exactly when it admits a draft of this round."""
+    table = {1: {PLAIN: 0.6, 1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}}
+    z, active = jnp.asarray([[3.0] * 7]), jnp.ones((1,), bool)
+    assert int(SchedulerPolicy.from_tables(table).plan_next_round(z, active, greedy(1))) == 0
+    assert int(SchedulerPolicy.from_tables(table).plan_next_round(-z, active, greedy(1))) == -1
+    no_plain = SchedulerPolicy.from_tables({1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}})
+    assert int(no_plain.plan_next_round(-z, active, greedy(1))) == 0  # nothing cheaper than drafting
+    rng = np.random.default_rng(3)
+    drafted = set()
     for _ in range(100):
         batch = int(rng.integers(1, 5))
         policy = SchedulerPolicy.from_tables({batch: {PLAIN: float(rng.uniform(0.5, 1.0)), 1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}})
@@ -315,10 +379,36 @@ def test_worth_drafting_compares_with_a_round_without_a_draft():
         rows = jnp.asarray(rng.uniform(size=batch) < 0.8)
         widths, seconds, plain = policy._table(batch)
         full = prefix_lengths(survival(logits), rows, widths, seconds, baseline_cost=plain)
-        assert bool(policy.worth_drafting(logits, rows, greedy(batch))) == bool(jnp.any(full > 0))
-    no_plain = SchedulerPolicy.from_tables({1: {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}})
-    assert bool(no_plain.worth_drafting(-z, active, greedy(1)))
-    assert SchedulerPolicy.from_tables(table).widths == (1, 2, 4, 8)
+        plan = int(policy.plan_next_round(logits, rows, greedy(batch)))
+        assert plan == (0 if bool(jnp.any(full > 0)) else -1)
+        drafted.add(plan)
+    assert drafted == {0, -1}
+    assert SchedulerPolicy.from_tables(table).widths == (1, 2, 4, 8)  # the plain entry is not a width
+
+
+def test_planning_ahead_drafts_past_the_cliff_that_stops_algorithm_1():
+    """Four rows at c = 0.8 every slot (a = 0.8, 0.64, 0.51, ...); a round costs 1.05, 1.15, 1.5
+    and 2.6 plain rounds at widths 1, 2, 4 and 8. Algorithm 1 admits the four first drafts
+    (Θ = 7.2 / 1.15 ≈ 6.26 tokens a plain round's time), then the first second draft widens all
+    four rows for one row's 0.64 (Θ = 7.84 / 1.5 ≈ 5.23) and it stops, while three drafts a row
+    pay (Θ = 11.81 / 1.5 ≈ 7.87). The plan finds that width, and the next round starts from it."""
+    table = {4: {PLAIN: 1.0, 1: 1.05, 2: 1.15, 4: 1.5, 8: 2.6}}
+    z = jnp.full((4, 7), jnp.log(0.8 / 0.2))  # σ = 0.8 at every slot
+    active, params = jnp.ones((4,), bool), greedy(4)
+    algorithm1 = SchedulerPolicy.from_tables(table)
+    planning = SchedulerPolicy.from_tables(table, plan_ahead=True)
+    assert algorithm1.lengths(z, 7, active, params).tolist() == [1, 1, 1, 1]
+    floor = planning.plan_next_round(z, active, params)
+    assert int(floor) == 3
+    assert planning.lengths(z, 7, active, params, floor=floor).tolist() == [3, 3, 3, 3]
+    assert algorithm1.lengths(z, 7, active, params, floor=floor).tolist() == [1, 1, 1, 1]  # it ignores plans
+    # Above the floor Algorithm 1 still weighs the round's own drafts: where width 8 costs little
+    # more than 4, four more drafts of a sure row pay for it (and then every other draft rides free).
+    cheap_8 = SchedulerPolicy.from_tables({4: {PLAIN: 1.0, 1: 1.05, 2: 1.15, 4: 1.5, 8: 1.6}}, plan_ahead=True)
+    assert cheap_8.lengths(z, 7, active, params, floor=floor).tolist() == [3, 3, 3, 3]
+    sure = z.at[0].set(10.0)
+    assert planning.lengths(sure, 7, active, params, floor=floor).tolist() == [3, 3, 3, 3]
+    assert cheap_8.lengths(sure, 7, active, params, floor=floor).tolist() == [7, 7, 7, 7]
 
 
 def test_plain_rounds_skip_the_draft_and_keep_greedy_output(real):

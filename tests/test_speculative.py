@@ -64,8 +64,8 @@ class OracleDecoder(SpeculativeDecoder):
         truth = jnp.asarray(continuation_BxN)
         lens = jnp.asarray(prompt_lens)
 
-        def oracle_draft(params, drafter_state, state, keys, sampling, active):
-            block, lengths, confidence = draft(params, drafter_state, state, keys, sampling, active)
+        def oracle_draft(params, drafter_state, state, keys, sampling, active, floor):
+            block, lengths, confidence = draft(params, drafter_state, state, keys, sampling, active, floor)
             done = state.target_cache.lengths_B - lens  # generated tokens already in the cache
             index = jnp.clip(done[:, None] + 1 + jnp.arange(GAMMA), 0, truth.shape[1] - 1)
             tokens = jnp.take_along_axis(truth, index, axis=1)
@@ -227,6 +227,28 @@ def test_speculative_sampling_matches_the_target_distribution(tiny, config):
     assert stat_ar < dof + 3.1 * np.sqrt(2 * dof) + 5
 
 
+def test_a_planned_floor_keeps_the_target_distribution(tiny):
+    """The scheduler planning ahead: the first round verifies nothing (one draft would widen all
+    3000 rows for one row's gain), its plan makes the second verify three drafts a row. The third
+    token, committed by that second round, still follows the target."""
+    from dspark_jax.sampling import probabilities
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+
+    target, drafter = tiny
+    prompt, config, n, vocab = [3, 1, 4], SamplingConfig(temperature=1.0), 3000, 12
+    pairs = jnp.asarray([prompt + [t1, t2] for t1 in range(vocab) for t2 in range(vocab)], jnp.int32)
+    logits = target.apply(target.params, pairs, target.new_cache(len(pairs), 16)).logits[:, -1]
+    p3 = np.asarray(probabilities(logits, SamplingParams.broadcast(config, len(pairs))))
+    expected = (exact_first_two(target, prompt, config).reshape(-1, 1) * p3).sum(axis=0)
+    policy = SchedulerPolicy.from_tables({n: {1: 1.0, 2: 1.3, 4: 1.35}}, plan_ahead=True)
+    decoder = SpeculativeDecoder(target, drafter, policy=policy, verify_widths=(1, 2, 4))
+    result = decoder.generate([prompt] * n, max_new_tokens=3, sampling=config, seeds=list(range(n)), max_len=32)
+    assert result.verify_lengths[0].max() == 0 and result.verify_lengths[1].min() == 3, "the plan did not run"
+    freq = np.bincount([t[2] for t in result.tokens], minlength=vocab) / n
+    stat, dof = chi2(freq, expected, n)
+    assert stat < dof + 3.1 * np.sqrt(2 * dof) + 5, (stat, dof)
+
+
 def test_a_broken_acceptance_rule_fails_the_same_test(tiny, monkeypatch):
     """A classic bug: judging drafts against a q other than the one they were sampled from."""
     import dspark_jax.decoding.speculative as speculative_module
@@ -268,7 +290,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         assert len(jax.devices()) == 8, jax.devices()
         from dspark_jax.config import DrafterConfig, SamplingConfig
         from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
-        from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, stop_id_array
+        from dspark_jax.decoding.speculative import NO_FLOOR, FixedPolicy, SpeculativeDecoder, stop_id_array
         from dspark_jax.drafter.model import Drafter
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
@@ -283,13 +305,16 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         prompts = [rng.integers(1, 12, size=n).tolist() for n in rng.integers(2, 12, size=16)]
         sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 8
         # Over the batch of 16 a second draft is not worth a width-4 round; over one device's 2 rows it is.
-        scheduler = SchedulerPolicy.from_tables({16: {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.02}})
+        table = {16: {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.02}}
+        scheduler = SchedulerPolicy.from_tables(table)
+        planned = SchedulerPolicy.from_tables(table, plan_ahead=True)  # three drafts a row pay: the floor after round 1
         mesh = Mesh(np.asarray(jax.devices()), ("data",))
         decoders = {name: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3), verify_widths=(1, 2, 4), mesh=m)
                     for name, m in (("one", None), ("eight", mesh))}
         runs = {}
         for name, decoder in decoders.items():
-            for policy, d in (("fixed", decoder), ("scheduler", decoder.with_policy(scheduler))):
+            for policy, d in (("fixed", decoder), ("scheduler", decoder.with_policy(scheduler)),
+                              ("planned", decoder.with_policy(planned))):
                 r = d.generate(prompts, max_new_tokens=24, sampling=sampling, seeds=7, stop_ids=[2], max_len=48)
                 runs[f"{policy}-{name}"] = {"tokens": r.tokens, "widths": r.verify_widths,
                                             "lengths": [x.tolist() for x in r.verify_lengths],
@@ -307,14 +332,15 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
             SamplingParams.from_configs(sampling), request_keys(range(16)), jnp.ones((16,), bool),
             jnp.zeros((16,), jnp.int32), jnp.ones((16, 16), jnp.int32), jnp.full((16,), 3, jnp.int32)))
         _, state = d.prefill(16, 48, np.ones((16, 16), np.int32), [3] * 16, keys, params)
-        block, _, _ = d._draft(d.params, d.drafter_state, state, keys, params, active)
+        block, _, _ = d._draft(d.params, d.drafter_state, state, keys, params, active, NO_FLOOR)
         programs = {
             "prefill": d._prefill.lower(d.params, d.drafter_state, d._new_cache(16, 48),
                                         d._new_context(16, 48, jnp.float32), tokens, lens, keys, params),
-            "draft": d._draft.lower(d.params, d.drafter_state, state, keys, params, active),
+            "draft": d._draft.lower(d.params, d.drafter_state, state, keys, params, active, NO_FLOOR),
             "verify": d._verify.lower(d.params, d.drafter_state, state, block, lengths, keys, params, active,
                                       stop_id_array([2]), width=4),
-            "scheduler draft": d.with_policy(scheduler)._draft.lower(d.params, d.drafter_state, state, keys, params, active),
+            "scheduler draft": d.with_policy(scheduler)._draft.lower(d.params, d.drafter_state, state, keys, params,
+                                                                    active, NO_FLOOR),
         }
         found = {name: collectives(p) for name, p in programs.items()}
         # The scheduler's cost table is timed on the decoder it will run on, mesh included.
@@ -326,7 +352,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     """)
     report = run_on_eight_devices(script)
     runs, found = report["runs"], report["collectives"]
-    for policy in ("fixed", "scheduler"):
+    for policy in ("fixed", "scheduler", "planned"):
         # Per-request seeds and per-row steps: a request's tokens do not depend on the split.
         assert runs[f"{policy}-eight"] == runs[f"{policy}-one"], policy
     fixed, scheduled = runs["fixed-one"], runs["scheduler-one"]
@@ -334,6 +360,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     assert {ell for r in fixed["lengths"] for ell in r} == {3}
     # The batch-wide choice: one draft per row (two rows' worth of survivals would buy the width-4 round).
     assert {ell for r in scheduled["lengths"] for ell in r} == {1}
+    assert {ell for r in runs["planned-one"]["lengths"][1:] for ell in r} == {3}, runs["planned-one"]["lengths"]
     assert {k: len(v) for k, v in found.items() if k != "scheduler draft"} == {"prefill": 0, "draft": 0, "verify": 0}, found
     # The scheduler's sort over every row's survivals: collectives of at most B·γ = 48 numbers.
     sizes = [int(np.prod([int(n) for n in dims.split(",") if n])) for line in found["scheduler draft"]

@@ -13,10 +13,11 @@ One round per call pair, all shapes static:
    committed token after it.
 
 The host picks ``W`` as the smallest bucket ``>= max ℓ + 1`` so that verifying fewer tokens costs
-less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen. With a
-policy that can tell when drafts do not pay (the scheduler's ``worth_drafting``), the host also
-runs *plain rounds*: target steps that skip the draft (ℓ = 0 for every row, decided before that
-round's drafts exist). With more prompts than ``batch_size`` rows, a finished request's row is
+less, and does per-request bookkeeping (stops, max_new_tokens). Finished rows are frozen. A policy
+that plans ahead (the scheduler's ``plan_next_round``) tells after each drafted round what the
+next does: verify at least some number of drafts a row (its ``floor``), or run *plain rounds*:
+target steps that skip the draft (ℓ = 0 for every row). Both are decided before that round's
+drafts exist. With more prompts than ``batch_size`` rows, a finished request's row is
 prefilled with the next prompt between rounds (continuous batching, ``decoding.slots``).
 """
 
@@ -90,23 +91,35 @@ class ThresholdPolicy:
 
 def parse_policy(text: str):
     """A policy from text: ``fixed:K``, ``threshold:X``, ``scheduler`` (to be profiled on this
-    machine before decoding) or ``scheduler:PROFILE.json`` (a cost table from ``dspark profile``)."""
+    machine before decoding) or ``scheduler:PROFILE.json`` (a cost table from ``dspark profile``);
+    ``scheduler-ahead`` / ``scheduler-ahead:PROFILE.json`` is the scheduler planning each round's
+    width from the last (the paper's production variant, ``SchedulerPolicy.plan_ahead``)."""
     from dspark_jax.scheduler.prefix import SchedulerPolicy
     from dspark_jax.scheduler.profile import load_cost_tables
+
+    def scheduler(value, plan_ahead):
+        policy = SchedulerPolicy(plan_ahead=plan_ahead)
+        return policy.with_tables(load_cost_tables(value)) if value else policy
 
     kind, _, value = text.partition(":")
     parsers = {
         "fixed": lambda v: FixedPolicy(int(v)),
         "threshold": lambda v: ThresholdPolicy(float(v)),
-        "scheduler": lambda v: SchedulerPolicy.from_tables(load_cost_tables(v)) if v else SchedulerPolicy(),
+        "scheduler": lambda v: scheduler(v, plan_ahead=False),
+        "scheduler-ahead": lambda v: scheduler(v, plan_ahead=True),
     }
     if kind in parsers:
         return parsers[kind](value)  # a bad number, range or file raises its own clear error
-    raise ValueError(f"policy must be 'fixed:K', 'threshold:X', 'scheduler' or 'scheduler:PROFILE.json', got {text!r}")
+    raise ValueError(f"policy must be 'fixed:K', 'threshold:X', 'scheduler', 'scheduler:PROFILE.json', "
+                     f"'scheduler-ahead' or 'scheduler-ahead:PROFILE.json', got {text!r}")
 
 
 # The most rounds in a row that skip the draft before drafting again to see whether it pays.
 MAX_PLAIN_ROUNDS = 8
+
+# A drafted round's floor before any plan: Algorithm 1 from zero drafts (a jit argument, as a
+# planned floor is, so that the two share one program).
+NO_FLOOR = np.int32(0)
 
 # Stop ids travel as a fixed-size array padded with -1, so their number is not a compiled shape.
 MAX_STOP_IDS = 16
@@ -160,17 +173,19 @@ def propose_step(target, drafter, params, state, keys_B, sampling):
     return drafter.propose(embed, lm_head, state.context, state.anchor_B, sampling, slot_keys)
 
 
-def choose_lengths(policy, confidence, gamma: int, active_B, sampling) -> jax.Array:
-    """The policy's verify length per row, 0 for inactive rows."""
-    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B, sampling), active_B.shape)
+def choose_lengths(policy, confidence, gamma: int, active_B, sampling, floor=0) -> jax.Array:
+    """The policy's verify length per row, 0 for inactive rows. ``floor`` is what a policy that
+    plans ahead (``plan_next_round``) set for this round after the last one."""
+    planned = {"floor": floor} if hasattr(policy, "plan_next_round") else {}
+    lengths = jnp.broadcast_to(policy.lengths(confidence, gamma, active_B, sampling, **planned), active_B.shape)
     return jnp.where(active_B, lengths, 0)
 
 
-def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B):
+def draft_step(target, drafter, policy, params, state, keys_B, sampling, active_B, floor=0):
     """The drafter's block after each anchor, the policy's verify lengths (0 for inactive rows)
     and the confidence logits they came from (``None`` for a drafter without a head)."""
     block, confidence = propose_step(target, drafter, params, state, keys_B, sampling)
-    return block, choose_lengths(policy, confidence, drafter.cfg.block_size, active_B, sampling), confidence
+    return block, choose_lengths(policy, confidence, drafter.cfg.block_size, active_B, sampling, floor), confidence
 
 
 def verify_step(target, drafter, params, state, block, lengths_B, keys_B, sampling, active_B, stop_ids, *, width):
@@ -330,15 +345,15 @@ class SpeculativeDecoder:
 
         propose = self.rows.per_row(propose, replicated=(0, 1))
 
-        def draft(params, drafter_state, state, keys_B, sampling, active_B):
+        def draft(params, drafter_state, state, keys_B, sampling, active_B, floor):
             block, confidence = propose(params, drafter_state, state, keys_B, sampling)
-            return block, choose_lengths(policy, confidence, gamma, active_B, sampling), confidence
+            return block, choose_lengths(policy, confidence, gamma, active_B, sampling, floor), confidence
 
         self.policy = policy
         self._draft = jax.jit(draft)
-        # A policy that can tell when drafting does not pay lets the loop skip drafts (plain rounds).
-        worth = getattr(policy, "worth_drafting", None)
-        self._worth_drafting = None if worth is None else jax.jit(worth)
+        # A policy that plans ahead sets each round's floor, or skips its draft (plain rounds).
+        plan = getattr(policy, "plan_next_round", None)
+        self._plan_next_round = None if plan is None else jax.jit(plan)
 
     def with_policy(self, policy) -> SpeculativeDecoder:
         """This decoder with another policy. Prefill and verify do not read the policy, so their
@@ -357,9 +372,9 @@ class SpeculativeDecoder:
         ))
         state = self.prefill(batch, max_len, np.zeros((batch, bucket(prompt_len)), np.int32), [1] * batch, keys, params)[1]
         for width in self.verify_widths:
-            block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active)
-            if self._worth_drafting is not None:
-                self._worth_drafting(confidence, active, params)
+            block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active, NO_FLOOR)
+            if self._plan_next_round is not None:
+                self._plan_next_round(confidence, active, params)
             _, state = self._verify(
                 self.params, self.drafter_state, state, block, lengths, keys, params, active,
                 stop_id_array(()), width=width,
@@ -425,11 +440,13 @@ class SpeculativeDecoder:
 
         accepted_log, lengths_log, confidence_log, widths = [], [], [], []
         prefill_s = decode_s = draft_s = verify_s = 0.0
-        # Plain rounds: after a drafted round whose drafts did not beat not drafting at all, the
-        # next ``skip`` rounds are target steps without a draft (ℓ = 0, decided before they
-        # exist); ``skip`` doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS. A policy
-        # that never verifies a draft (fixed:0) runs plain rounds after the first.
+        # Plain rounds: after a drafted round whose plan is a plain round, the next ``skip``
+        # rounds are target steps without a draft (ℓ = 0, decided before they exist); ``skip``
+        # doubles while drafts keep not paying, up to MAX_PLAIN_ROUNDS. A policy that never
+        # verifies a draft (fixed:0) runs plain rounds after the first. Otherwise the plan is the
+        # next drafted round's ``floor``.
         skip = plain_left = plain_rounds = 0
+        floor = NO_FLOOR
         no_drafts = self.rows.on_rows(jnp.zeros((batch,), jnp.int32))
         block = None
         state = keys = params = None  # per row: DecodeState, PRNG keys, sampling parameters
@@ -454,7 +471,8 @@ class SpeculativeDecoder:
             active_j = self.rows.on_rows(jnp.asarray(active))
             drafting = plain_left == 0 and (block is None or getattr(self.policy, "drafts", True))
             if drafting:
-                block, lengths, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active_j)
+                block, lengths, confidence = self._draft(
+                    self.params, self.drafter_state, state, keys, params, active_j, floor)
                 lengths_np = np.asarray(lengths)  # waits for the draft call
                 width = self.width_for(int(lengths_np[active].max()))
             else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
@@ -466,11 +484,12 @@ class SpeculativeDecoder:
                 self.params, self.drafter_state, state, block, lengths, keys, params,
                 active_j, stops, width=width,
             )
-            if drafting and self._worth_drafting is not None:
-                if bool(self._worth_drafting(confidence, active_j, params)):
-                    skip = 0
+            if drafting and self._plan_next_round is not None:
+                plan = int(self._plan_next_round(confidence, active_j, params))
+                if plan >= 0:
+                    skip, floor = 0, np.int32(plan)
                 else:
-                    skip = min(max(2 * skip, 1), MAX_PLAIN_ROUNDS)
+                    skip, floor = min(max(2 * skip, 1), MAX_PLAIN_ROUNDS), NO_FLOOR
                     plain_left = skip
             emitted = np.asarray(verdict.emitted_BxE)
             num = np.asarray(verdict.num_emitted_B)

@@ -93,7 +93,8 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
         raise ValueError(f"fixed:{policy.k} asks for {policy.k} drafts a round, but this {drafter_cfg.kind} drafter "
                          f"proposes γ = {gamma}: use fixed:K with K <= {gamma}")
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
-        asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else "scheduler"
+        asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else (
+            "scheduler-ahead" if policy.plan_ahead else "scheduler")
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
     if isinstance(policy, SchedulerPolicy) and not policy.calibrations:
         sampling = SamplingConfig() if sampling is None else sampling

@@ -1,4 +1,4 @@
-"""The hardware-aware prefix scheduler (paper Algorithm 1), on device.
+"""The hardware-aware prefix scheduler (paper Algorithm 1 and its production variant), on device.
 
 Per round, each active request ``r`` has drafted γ tokens with confidence logits ``z_{r,k}``;
 ``c_{r,k} = σ(z_{r,k} / T_k + b_k)`` (``T_k, b_k`` from ``training.calibrate``) estimates that
@@ -15,6 +15,19 @@ keeps the choice lossless: whether ``x_{r,k}`` is verified is settled when ``(r,
 reached, from values that do not depend on ``x_{r,k}`` (``a_{r,k+1}`` does, and it comes later);
 a search for the best point of the whole path would let ``x_{r,k}`` decide its own admission
 (paper Appendix A, ``tests/test_scheduler.py``).
+
+The stop also traps Algorithm 1 below a cost cliff. In a batch, the first second draft widens
+every row's verify forward while it adds one row's ``a``, so Θ falls there and the search ends at
+one draft a row, even where two or more a row would pay. The paper's production variant (§5.2)
+escapes by sizing each round's capacity with an unconstrained global search over confidences from
+*earlier* rounds, which cannot depend on the current drafts, and then admitting the current drafts
+by rank. Here rows are padded to one width, so the capacity is a width: after each round,
+``next_round_plan`` picks the width that maximises Θ if every row verified its whole prefix up to
+it (or no draft at all: a plain round), and with ``SchedulerPolicy(plan_ahead=True)`` the next
+round starts Algorithm 1 from that many drafts per row (``prefix_lengths(floor=...)``), extending
+it with the round's own confidences where they pay. A planned floor and the early stop above it
+are both settled before the drafts they admit are known, so the output stays exactly the
+target's. Without ``plan_ahead``, Algorithm 1 alone runs every round.
 """
 
 from __future__ import annotations
@@ -112,14 +125,17 @@ def survival(confidence_BxG: jax.Array, temperatures=1.0, biases=0.0) -> jax.Arr
 
 
 def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequence[int], costs: Sequence[float],
-                   baseline_cost: float | None = None) -> jax.Array:
+                   baseline_cost: float | None = None, floor: jax.Array | int = 0) -> jax.Array:
     """Algorithm 1 with its early stop: the verify length per request (0 for inactive rows).
 
     ``widths`` are the verify buckets (ascending; the last ``≥ γ + 1``) and ``costs[i]`` the
     seconds a round at ``widths[i]`` takes for this batch. ``baseline_cost`` is the cost of
-    verifying nothing (default: a round at the narrowest width). Vectorised: the admission order
-    is one sort, and ``Θ`` after each admission a cumulative sum (expected tokens) over a
-    cumulative max (the longest prefix so far, which fixes the width and so the cost).
+    verifying nothing (default: a round at the narrowest width). ``floor`` (a scalar, possibly
+    traced) admits the first ``floor`` drafts of every active row before the search starts, as
+    planned before these drafts existed (``next_round_plan``); the search goes on from there.
+    Vectorised: the admission order is one sort, and ``Θ`` after each admission a cumulative sum
+    (expected tokens) over a cumulative max (the longest prefix so far, which fixes the width and
+    so the cost).
     """
     batch, gamma = survival_BxG.shape
     if widths[-1] < gamma + 1:
@@ -127,8 +143,9 @@ def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequenc
     a = jnp.where(active_B[:, None], survival_BxG, 0.0).reshape(-1)
     slot = jnp.tile(jnp.arange(1, gamma + 1), batch)
     row = jnp.repeat(jnp.arange(batch), gamma)
-    order = jnp.lexsort((row, slot, -a))  # by a descending, then smaller slot, then row
-    a_sorted, slot_sorted, row_sorted = a[order], slot[order], row[order]
+    planned = (slot <= floor) & jnp.repeat(active_B, gamma)
+    order = jnp.lexsort((row, slot, -a, ~planned))  # the planned first, then by a descending, smaller slot, row
+    a_sorted, slot_sorted, row_sorted, planned_sorted = a[order], slot[order], row[order], planned[order]
 
     widths_arr = jnp.asarray(widths, jnp.int32)
     costs_arr = jnp.asarray(costs, jnp.float32)
@@ -143,11 +160,36 @@ def prefix_lengths(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequenc
     tokens_before = jnp.concatenate([tokens[:1] - a_sorted[:1], tokens[:-1]])
     baseline = cost_of(jnp.zeros((1,), jnp.int32)) if baseline_cost is None else jnp.full((1,), baseline_cost, jnp.float32)
     cost_before = jnp.concatenate([baseline, cost[:-1]])
-    rises = a_sorted * cost_before > tokens_before * (cost - cost_before)
+    rises = planned_sorted | (a_sorted * cost_before > tokens_before * (cost - cost_before))
     # Admit while Θ rises; the first candidate that does not raise it ends the search.
     admitted = jnp.cumprod(rises.astype(jnp.int32)).astype(bool)
     per_row = jnp.zeros((batch,), jnp.int32).at[row_sorted].add(admitted.astype(jnp.int32))
     return per_row
+
+
+def next_round_plan(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequence[int], costs: Sequence[float],
+                    plain_cost: float | None = None) -> jax.Array:
+    """The production variant's capacity for the *next* round, from this round's survivals: a
+    global search (no early stop) over the verify widths for the best ``Θ`` if every active row
+    verified ``W - 1`` drafts, and over a plain round (no draft, ``plain_cost``) if it is timed.
+    Returns ``W - 1`` (capped at γ) for the best width, or -1 when a plain round is best.
+
+    The search looks at every ``a`` at once, so it must never decide which of *these* drafts are
+    verified (paper Appendix A); the next round's drafts do not exist yet, so it may decide theirs.
+    Ties go to the cheaper choice.
+    """
+    gamma = survival_BxG.shape[1]
+    a = jnp.where(active_B[:, None], survival_BxG, 0.0)
+    requests = jnp.sum(active_B.astype(jnp.float32))
+    # Expected tokens with every active row verifying its first ℓ drafts, ℓ = 0..γ.
+    tokens = requests + jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(a, axis=0))])
+    drafts = np.minimum(np.asarray(widths) - 1, gamma)
+    theta = tokens[drafts] / jnp.asarray(costs, jnp.float32)
+    choices = jnp.asarray(drafts, jnp.int32)
+    if plain_cost is not None:
+        theta = jnp.concatenate([jnp.reshape(requests / plain_cost, (1,)), theta])
+        choices = jnp.concatenate([jnp.full((1,), -1, jnp.int32), choices])
+    return choices[jnp.argmax(theta)]  # the first best: the cheapest
 
 
 # The cost-table key of a round that skips the draft: a plain target step (ℓ = 0 for every row,
@@ -162,14 +204,21 @@ class SchedulerPolicy:
     ``costs`` maps a batch size to ``{verify width: seconds a round}``; the decoder's batch must
     be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
     round that skips the draft, lets the decoder stop drafting while drafts do not pay
-    (``worth_drafting``). ``None`` is a policy still to be profiled
+    (``plan_next_round``). ``None`` is a policy still to be profiled
     (``scheduler.profile.profiled``; the CLI does it at start). ``calibrations`` (a temperature and
     a bias per draft slot, one set per way of decoding) calibrate the confidence head, each request
     by the one for its own sampling (``calibration_index``); none: ``σ(z)``.
+
+    By default every round runs Algorithm 1 from zero drafts, and ``plan_next_round`` only
+    decides whether the next round drafts at all. ``plan_ahead=True`` is the paper's
+    production variant: each round's confidences also set the next round's capacity, and
+    Algorithm 1 starts from it. It verifies more in batches, but on the 2-core CPU it was measured
+    on it was not faster (``docs/BENCHMARKS.md``), hence not the default.
     """
 
     costs: tuple | None = None  # ((batch, ((width, seconds), ...)), ...): hashable, for the jitted step
     calibrations: tuple = ()
+    plan_ahead: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "calibrations", tuple(self.calibrations))
@@ -193,9 +242,14 @@ class SchedulerPolicy:
                 raise ValueError(f"cost table for batch {batch}: every cost must be a positive number of seconds")
 
     @classmethod
-    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], calibrations: Sequence[Calibration] = ()):
+    def from_tables(cls, tables: Mapping[int, Mapping[int, float]], calibrations: Sequence[Calibration] = (),
+                    plan_ahead: bool = False):
+        return cls(None, tuple(calibrations), plan_ahead).with_tables(tables)
+
+    def with_tables(self, tables: Mapping[int, Mapping[int, float]]) -> SchedulerPolicy:
+        """This policy over the cost tables ``{batch: {width: seconds}}`` (``PLAIN`` for a plain round)."""
         costs = tuple(sorted((int(b), tuple(sorted((int(w), float(s)) for w, s in t.items()))) for b, t in tables.items()))
-        return cls(costs, tuple(calibrations))
+        return dataclasses.replace(self, costs=costs)
 
     @property
     def widths(self) -> tuple[int, ...] | None:
@@ -236,25 +290,32 @@ class SchedulerPolicy:
         biases = jnp.asarray([c.biases for c in self.calibrations] + [raw[1]], jnp.float32)
         return survival(confidence_BxG, temperatures[index_B], biases[index_B])
 
-    def lengths(self, confidence_BxG, gamma: int, active_B, sampling: SamplingParams) -> jax.Array:
+    def lengths(self, confidence_BxG, gamma: int, active_B, sampling: SamplingParams, floor=0) -> jax.Array:
+        """Algorithm 1 from ``floor`` drafts a row (the last round's ``plan_next_round``)."""
         a = self._survival(confidence_BxG, gamma, sampling)
         widths, seconds, _ = self._table(confidence_BxG.shape[0])
-        return prefix_lengths(a, active_B, widths, seconds)
+        return prefix_lengths(a, active_B, widths, seconds, floor=floor if self.plan_ahead else 0)
 
-    def worth_drafting(self, confidence_BxG, active_B, sampling: SamplingParams) -> jax.Array:
-        """Whether this round's drafts beat not drafting at all: whether Algorithm 1, with the
-        plain round's cost as the "verify nothing" baseline, admits anything. The decoder asks
-        after a round, to decide whether the next rounds draft (a choice made before their drafts
-        exist, so it cannot bias which tokens are verified). True when the table has no plain cost.
+    def plan_next_round(self, confidence_BxG, active_B, sampling: SamplingParams) -> jax.Array:
+        """After a round, what the next one does: -1 for a plain round (no draft; only if the
+        table times one), else the drafts every active row verifies before Algorithm 1 looks
+        further. The decoder asks once a round has drafted, before the next round's drafts exist,
+        so the plan cannot bias which tokens are verified.
 
-        Only the first admission depends on the baseline, and the first candidate is always the
-        best first draft (``a_{r,1} ≥ a_{r,j}``), so this is one comparison: no sort.
+        With ``plan_ahead``, the global search of ``next_round_plan``. Without, Algorithm 1 alone
+        will choose, so the next round drafts (floor 0) only if Algorithm 1 against a plain round
+        would have admitted a draft of this one: only its first admission depends on that
+        baseline, and the first candidate is the best first draft (``a_{r,1} ≥ a_{r,j}``), so this
+        is one comparison. A wider plan would draft rounds whose drafts it then does not verify.
         """
         widths, seconds, plain = self._table(confidence_BxG.shape[0])
+        a = self._survival(confidence_BxG, confidence_BxG.shape[1], sampling)
+        if self.plan_ahead:
+            return next_round_plan(a, active_B, widths, seconds, plain)
         if plain is None:
-            return jnp.ones((), bool)
-        a_1 = jnp.where(active_B, self._survival(confidence_BxG, confidence_BxG.shape[1], sampling)[:, 0], 0.0)
+            return jnp.zeros((), jnp.int32)
         requests = jnp.sum(active_B.astype(jnp.float32))
+        best_first = jnp.max(jnp.where(active_B, a[:, 0], 0.0))
         one_draft = seconds[next(i for i, w in enumerate(widths) if w >= 2)]
         # (requests + a) / one_draft > requests / plain, multiplied out as in prefix_lengths.
-        return jnp.max(a_1) * plain > requests * (one_draft - plain)
+        return jnp.where(best_first * plain > requests * (one_draft - plain), 0, -1).astype(jnp.int32)

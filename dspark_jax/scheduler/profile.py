@@ -60,7 +60,7 @@ def profile_round_costs(
     rounds = (repeats + 1) * (len(widths) + 1)  # one untimed warm-up round per width and the plain one
     if prompt_len + rounds + widths[-1] > max_len:
         raise ValueError(f"max_len {max_len} cannot hold a {prompt_len}-token prompt and {rounds} profiling rounds")
-    from dspark_jax.decoding.speculative import FixedPolicy, stop_id_array
+    from dspark_jax.decoding.speculative import NO_FLOOR, FixedPolicy, stop_id_array
 
     if isinstance(decoder.policy, SchedulerPolicy):  # it may have no table yet; its own work (a sort) is negligible
         decoder = decoder.with_policy(FixedPolicy(decoder.cfg.block_size))
@@ -78,7 +78,7 @@ def profile_round_costs(
         for width in times:
             start = time.perf_counter()
             if width != PLAIN or block is None:
-                block, _, _ = decoder._draft(decoder.params, decoder.drafter_state, state, keys, params, active)
+                block, _, _ = decoder._draft(decoder.params, decoder.drafter_state, state, keys, params, active, NO_FLOOR)
             _, state = decoder._verify(
                 decoder.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
                 width=widths[0] if width == PLAIN else width,
@@ -96,7 +96,7 @@ def profiled(decoder, batches: Sequence[int] = (1,), **kwargs):
     if not isinstance(policy, SchedulerPolicy) or policy.costs is not None:
         return decoder
     tables = {b: profile_round_costs(decoder, b, **kwargs) for b in batches}
-    return decoder.with_policy(SchedulerPolicy.from_tables(tables, policy.calibrations))
+    return decoder.with_policy(policy.with_tables(tables))
 
 
 def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
@@ -125,8 +125,19 @@ def load_cost_tables(path) -> dict[int, dict[int, float]]:
         raise ValueError(f"{path} is not a {FORMAT} file")
     if raw.get("version") != VERSION:
         raise ValueError(f"{path} has version {raw.get('version')}; this code reads version {VERSION}")
+
+    def count(key: str) -> int:  # "1" and "01" would silently merge: only the form save_cost_tables writes
+        if not (isinstance(key, str) and key.isdigit() and str(int(key)) == key):
+            raise ValueError(f"{key!r} is not a batch size or width")
+        return int(key)
+
+    def seconds(value) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{value!r} is not a number of seconds")
+        return float(value)
+
     try:
-        return {int(b): {int(w): float(s) for w, s in t.items()} for b, t in raw["tables"].items()}
+        return {count(b): {count(w): seconds(s) for w, s in t.items()} for b, t in raw["tables"].items()}
     except (KeyError, AttributeError, TypeError, ValueError) as error:
         raise ValueError(f"{path}: 'tables' must map batch sizes to {{width: seconds}} ({error})") from None
 
@@ -136,5 +147,6 @@ def policy_summary(policy: SchedulerPolicy) -> dict:
     return {
         "costs_ms": {str(b): {str(w): round(s * 1e3, 3) for w, s in t} for b, t in policy.costs or ()},
         "calibrations": [dataclasses.asdict(c) for c in policy.calibrations],
+        "plan_ahead": policy.plan_ahead,
     }
 
