@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.eval.compare import json_clean, make_decoder
+    from dspark_jax.eval.metrics import tau_of
     from dspark_jax.scheduler.prefix import SchedulerPolicy
     from dspark_jax.scheduler.profile import policy_summary
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
     def produced(result):
         return sum(max(len(t) - 1, 0) for t in result.tokens)
 
-    totals = {name: {b: {"tokens": 0, "decode_s": 0.0, "accepted": [], "lengths": [], "widths": [],
+    totals = {name: {b: {"tokens": 0, "decode_s": 0.0, "committed": [], "lengths": [], "widths": [],
                          "plain_rounds": 0, "identical": True} for b in args.batches} for name in ["target_only", *decoders]}
     for b in args.batches:
         for i in range(args.batches_per_size):
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
                 entry = totals[name][b]
                 entry["tokens"] += produced(spec)
                 entry["decode_s"] += spec.decode_s
-                entry["accepted"] += spec.accepted_per_round
+                entry["committed"] += spec.committed_per_round
                 entry["lengths"] += spec.verify_lengths
                 entry["widths"] += spec.verify_widths
                 entry["plain_rounds"] += spec.plain_rounds
@@ -183,12 +184,11 @@ def main(argv=None) -> int:
             row = {"tokens": e["tokens"], "decode_s": e["decode_s"], "tokens_per_s": rate}
             if name != "target_only":
                 base = totals["target_only"][b]
-                accepted = np.concatenate(e["accepted"]) if e["accepted"] else np.zeros(0)
                 lengths = np.concatenate(e["lengths"]) if e["lengths"] else np.zeros(0)
                 widths, counts = np.unique(np.asarray(e["widths"], int), return_counts=True)
                 row |= {
                     "speedup": rate / (base["tokens"] / base["decode_s"]),
-                    "tau": float(np.mean(accepted + 1)) if accepted.size else float("nan"),
+                    "tau": tau_of(e["committed"]),
                     "mean_verify_length": float(lengths.mean()) if lengths.size else float("nan"),
                     "width_histogram": {str(int(w)): int(c) for w, c in zip(widths, counts)},
                     "rounds": len(e["widths"]),

@@ -316,15 +316,16 @@ def main(argv=None) -> int:
             "in length) (same prompts, same process, B=1; compile + warm-up before timing; prefill excluded, "
             "speedup_with_prefill includes it); each prompt runs target-only then every drafter, "
             "best of `repeats`",
-            "tau": "mean over request-rounds of accepted drafts + 1",
+            "tau": "mean over request-rounds of tokens committed: accepted drafts + 1, or the drafts through a "
+            "stop token among them (spec 6.4 step 4)",
             "per_position_acceptance": "position k: rounds that accepted >= k / rounds that offered >= k "
             "and accepted >= k-1",
             "acceptance_rate": "accepted drafts / offered (verified) drafts",
             "time_split": "host-timed at the loop's existing syncs: draft = until the verify lengths reach "
             "the host, verify = until the verdict does, host = the rest of decode_s",
             "macro": "unweighted mean over domains",
-            "accepted_ratio": "the tau ratio of accepted drafts per round (tau - 1): the drafters alone, "
-            "without the bonus token every round commits",
+            "accepted_ratio": "the ratio of tau - 1 (accepted drafts per round, but for a stop among them): the "
+            "drafters alone, without the target token almost every round commits",
             "tau_ratio_interval": "percentile bootstrap over prompts (resampled within each domain, the same "
             "prompts for both drafters) of every ratio: how much it depends on which prompts were drawn",
         },

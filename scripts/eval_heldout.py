@@ -178,16 +178,17 @@ def domain_metrics(score, config, sequences) -> dict:
 
 def replay_by_domain(chains, sequences, *, gamma: int, max_new_tokens: int, stop_ids):
     """Greedy decoding replayed along every answer (one pass, one compile), summarised per domain:
-    (the benchmark's summary per domain and its macro τ, ``{domain: {name: drafts accepted per
+    (the benchmark's summary per domain and its macro τ, ``{domain: {name: tokens committed per
     round}}`` for the ratio intervals)."""
     from dspark_jax.eval.replay import replay_sequences, replay_summary
 
-    accepted = by_domain(replay_sequences(chains, sequences, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
-    domains = {d: replay_summary(a, gamma) for d, a in accepted.items()}
-    return {"tau": sum(r["tau"] for r in domains.values()) / len(domains), "domains": domains}, accepted
+    rounds = by_domain(replay_sequences(chains, sequences, max_new_tokens=max_new_tokens, stop_ids=stop_ids))
+    domains = {d: replay_summary(r, gamma) for d, r in rounds.items()}
+    committed = {d: {name: r.committed for name, r in by_name.items()} for d, by_name in rounds.items()}
+    return {"tau": sum(r["tau"] for r in domains.values()) / len(domains), "domains": domains}, committed
 
 
-def replay_ratios(results: dict, kinds: dict, accepted: dict) -> dict:
+def replay_ratios(results: dict, kinds: dict, committed: dict) -> dict:
     """τ(DSpark) / τ(DFlash) and / τ(EAGLE-3) of the replayed decoding, each with the benchmark's
     90% bootstrap interval over prompts, between the last scored drafter of each kind."""
     from dspark_jax.eval.compare import ratio_interval
@@ -198,8 +199,8 @@ def replay_ratios(results: dict, kinds: dict, accepted: dict) -> dict:
         if "dspark" not in last or other not in last:
             continue
         mine, theirs = last["dspark"], last[other]
-        by_domain = {d: {mine: list(accepted[mine][d].values()), theirs: list(accepted[theirs][d].values())}
-                     for d in accepted[mine]}
+        by_domain = {d: {mine: list(committed[mine][d].values()), theirs: list(committed[theirs][d].values())}
+                     for d in committed[mine]}
         ratios[key] = results[mine]["replay"]["tau"] / results[theirs]["replay"]["tau"]
         ratios[f"{key}_interval"] = ratio_interval(by_domain, mine, theirs)
     return ratios

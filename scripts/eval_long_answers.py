@@ -18,8 +18,8 @@ prompts is checked there before it ships.
     .venv/bin/python scripts/eval_long_answers.py --mix writing --window 256 --out /tmp/writing.json
     .venv/bin/python scripts/eval_long_answers.py --quick --out /tmp/long.json
 
-Writes JSON (``--out``): per drafter, τ by bucket pooled and per domain, every prompt's accepted
-drafts per round by bucket, and for a windowed run the ratio to the whole-context run per bucket
+Writes JSON (``--out``): per drafter, τ by bucket pooled and per domain, every prompt's committed
+tokens per round by bucket, and for a windowed run the ratio to the whole-context run per bucket
 with a 90% percentile-bootstrap interval over the prompts. The last line printed is the summary
 ``{"<drafter>": {"0-127": τ, ...}}``.
 """
@@ -116,18 +116,18 @@ def windowed_copy(directory: Path, window: int, scratch: Path) -> Path:
     return copy
 
 
-def accepted_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> list[list[list[int]]]:
-    """Per prompt, per bucket of answer positions: the drafts accepted by each round starting there."""
+def committed_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> list[list[list[int]]]:
+    """Per prompt, per bucket of answer positions: the tokens committed by each round starting there."""
     buckets = max_new_tokens // bucket
     per_prompt = []
     for ids in prompts:
         out = decoder.generate([ids], max_new_tokens=max_new_tokens, stop_ids=[stop_id])
-        accepted = [[] for _ in range(buckets)]
+        committed = [[] for _ in range(buckets)]
         position = 1  # the prefill emitted the answer's first token
-        for drafts in out.accepted_per_round:
-            accepted[min(position // bucket, buckets - 1)].append(int(drafts[0]))
-            position += int(drafts[0]) + 1
-        per_prompt.append(accepted)
+        for tokens in out.committed_per_round:
+            committed[min(position // bucket, buckets - 1)].append(int(tokens[0]))
+            position += int(tokens[0])
+        per_prompt.append(committed)
     return per_prompt
 
 
@@ -139,8 +139,8 @@ def tau_by_bucket(per_prompt: list[list[list[int]]], names: list[str]) -> dict:
     """Per bucket: τ (tokens committed per round, pooled over the prompts) and the rounds."""
     cells = {}
     for i, name in enumerate(names):
-        rounds = [a for accepted in per_prompt for a in accepted[i]]
-        cells[name] = {"tau": 1.0 + float(np.mean(rounds)) if rounds else None, "rounds": len(rounds)}
+        rounds = [c for committed in per_prompt for c in committed[i]]
+        cells[name] = {"tau": float(np.mean(rounds)) if rounds else None, "rounds": len(rounds)}
     return cells
 
 
@@ -150,7 +150,7 @@ def window_intervals(results: dict, base: str, label: str, names: list[str], *, 
     from dspark_jax.eval.compare import ratio_interval
 
     def prompts_of(name):
-        return [accepted for domain in results[name]["accepted"].values() for accepted in domain]
+        return [committed for domain in results[name]["committed"].values() for committed in domain]
 
     cells = {}
     for i, bucket in enumerate(names):
@@ -158,7 +158,7 @@ def window_intervals(results: dict, base: str, label: str, names: list[str], *, 
         if None in taus:
             cells[bucket] = {"ratio": None, "interval": None}
             continue
-        arrays = {name: [np.array(accepted[i], int) for accepted in prompts_of(name)] for name in (label, base)}
+        arrays = {name: [np.array(committed[i], int) for committed in prompts_of(name)] for name in (label, base)}
         cells[bucket] = {"ratio": taus[0] / taus[1], "interval": ratio_interval({"all": arrays}, label, base, level=level)}
     return cells
 
@@ -185,14 +185,14 @@ def main(argv=None) -> int:
         for label, whole_context, directory in runs:
             drafter = load_drafter(directory, target=target.cfg)
             decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
-            accepted = {domain: accepted_by_bucket(decoder, ids, max_new_tokens=args.max_new_tokens,
+            committed = {domain: committed_by_bucket(decoder, ids, max_new_tokens=args.max_new_tokens,
                                                    bucket=args.bucket, stop_id=tokenizer.eos_token_id)
                         for domain, ids in prompts.items()}
             results[label] = {
                 "sliding_window": drafter.cfg.sliding_window,
-                "domains": {domain: tau_by_bucket(a, names) for domain, a in accepted.items()},
-                "pooled": tau_by_bucket([p for a in accepted.values() for p in a], names),
-                "accepted": accepted,
+                "domains": {domain: tau_by_bucket(c, names) for domain, c in committed.items()},
+                "pooled": tau_by_bucket([p for c in committed.values() for p in c], names),
+                "committed": committed,
             }
             if whole_context is not None:
                 results[label]["vs_whole_context"] = window_intervals(results, whole_context, label, names)

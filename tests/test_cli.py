@@ -361,24 +361,24 @@ def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
 
     class Rounds:  # a decoder whose every answer commits 1, 3, 2 and 4 tokens in its four rounds
         def generate(self, prompts, *, max_new_tokens, stop_ids):
-            return type("Result", (), {"accepted_per_round": [np.array([a]) for a in (0, 2, 1, 3)]})()
+            return type("Result", (), {"committed_per_round": [np.array([c]) for c in (1, 3, 2, 4)]})()
 
     script = load_script("eval_long_answers")
     # The prefill emits position 0; rounds start at 1, 2, 5 and 7.
-    accepted = script.accepted_by_bucket(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
-    assert accepted == [[[0, 2], [1, 3]]] * 2
+    committed = script.committed_by_bucket(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
+    assert committed == [[[1, 3], [2, 4]]] * 2
     names = script.bucket_names(8, 4)
-    assert script.tau_by_bucket(accepted, names) == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}
+    assert script.tau_by_bucket(committed, names) == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}
 
 
 def test_eval_long_answers_window_ratio_per_bucket_with_its_bootstrap_interval():
     script = load_script("eval_long_answers")
     names = script.bucket_names(4, 2)
     # Two prompts; the window accepts one more draft in every round of the second bucket only.
-    whole = {"d": [[[1, 1], [0, 2]], [[2], [1]]]}
-    window = {"d": [[[1, 1], [1, 3]], [[2], [2]]]}
-    results = {name: {"accepted": accepted, "pooled": script.tau_by_bucket(accepted["d"], names)}
-               for name, accepted in (("base", whole), ("w", window))}
+    whole = {"d": [[[2, 2], [1, 3]], [[3], [2]]]}
+    window = {"d": [[[2, 2], [2, 4]], [[3], [3]]]}
+    results = {name: {"committed": committed, "pooled": script.tau_by_bucket(committed["d"], names)}
+               for name, committed in (("base", whole), ("w", window))}
     cells = script.window_intervals(results, "base", "w", names)
     assert cells["0-1"] == {"ratio": 1.0, "interval": [1.0, 1.0]}
     assert cells["2-3"]["ratio"] == pytest.approx((1 + 6 / 3) / (1 + 3 / 3))

@@ -7,11 +7,17 @@ from dspark_jax.decoding.speculative import SpeculativeResult
 from dspark_jax.eval.compare import Run, macro, summarize, tau_ratio_interval
 
 
-def result(accepted_per_round) -> SpeculativeResult:
+def result(accepted_per_round, stop_after: int | None = None) -> SpeculativeResult:
+    """A one-request result; ``stop_after``: the last round stops at that many drafts (a stop token
+    among its accepted drafts, so it commits no target token)."""
     accepted = [np.array([a]) for a in accepted_per_round]
-    return SpeculativeResult(tokens=[[1] * int(sum(a + 1 for a in accepted_per_round))], finish_reasons=["length"],
+    committed = [a + 1 for a in accepted]
+    if stop_after is not None:
+        committed[-1] = np.array([stop_after])
+    return SpeculativeResult(tokens=[[1] * int(sum(c.sum() for c in committed))], finish_reasons=["length"],
                              prefill_s=0.0, decode_s=1.0, rounds=len(accepted), accepted_per_round=accepted,
-                             verify_lengths=[np.array([7])] * len(accepted), verify_widths=[8] * len(accepted))
+                             committed_per_round=committed, verify_lengths=[np.array([7])] * len(accepted),
+                             verify_widths=[8] * len(accepted))
 
 
 def runs(per_prompt: list[dict]) -> list[Run]:
@@ -83,3 +89,15 @@ def test_speedup_is_a_throughput_ratio_when_outputs_differ_in_length():
     assert summarize(longer, "a", 7, greedy=False)["speedup"] == pytest.approx(7 / 3)
     shorter = [Run(prompt_tokens=10, baseline=result([0, 0, 0, 0, 0]), speculative={"a": result([1])})]
     assert summarize(shorter, "a", 7, greedy=False)["speedup"] == pytest.approx(1 / 4)
+
+
+def test_a_round_that_stops_on_an_accepted_draft_counts_its_drafts_up_to_the_stop():
+    """Spec §6.4 step 4: τ counts such a round's drafts through the stop token, no target token;
+    its acceptance still counts every draft the target accepted."""
+    domain = {"math": [Run(prompt_tokens=10, baseline=result([0]),
+                           speculative={"a": result([3, 5], stop_after=2), "b": result([3, 5])})]}
+    a, b = (summarize(domain["math"], name, 7, greedy=False) for name in ("a", "b"))
+    assert (a["tau"], b["tau"]) == (3.0, 5.0)  # (4 + 2) / 2 and (4 + 6) / 2
+    assert a["acceptance_rate"] == b["acceptance_rate"] == 8 / 14
+    assert tau_ratio_interval(domain, "a", "b") == [0.6, 0.6]
+    assert tau_ratio_interval(domain, "a", "b", drafts_only=True) == [0.5, 0.5]  # (3 + 1) / 2 against (3 + 5) / 2

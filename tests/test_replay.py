@@ -22,12 +22,21 @@ def test_replay_rounds_by_hand():
     chain = np.zeros(12, int)
     chain[[2, 3, 5, 9]] = [2, 1, 3, 2]
     # Anchor 2 accepts 2 and commits 3 (next anchor 5), 5 accepts 3 (-> 9), 9 accepts 2.
-    np.testing.assert_array_equal(replay_rounds(chain, mask, finished=False, max_new_tokens=9), [2, 3, 2])
+    rounds = replay_rounds(chain, mask, finished=False, max_new_tokens=9)
+    np.testing.assert_array_equal(rounds.accepted, [2, 3, 2])
+    np.testing.assert_array_equal(rounds.committed, [3, 4, 3])  # the last past the cached answer's cap
     # The budget ends decoding once 8 are committed: 1 + 3 + 4 = 8 after two rounds.
-    np.testing.assert_array_equal(replay_rounds(chain, mask, finished=False, max_new_tokens=8), [2, 3])
-    # A finished answer (its last token a stop) ends at the stop even with budget left; the last
-    # round's drafts reach it (its chain stops at the answer's end).
-    np.testing.assert_array_equal(replay_rounds(chain, mask, finished=True, max_new_tokens=50), [2, 3, 2])
+    np.testing.assert_array_equal(replay_rounds(chain, mask, finished=False, max_new_tokens=8).accepted, [2, 3])
+    # A finished answer (its last token, position 11, a stop) ends at the stop even with budget
+    # left. The last round accepts the stop as its second draft: it commits 2, no target token.
+    rounds = replay_rounds(chain, mask, finished=True, max_new_tokens=50)
+    np.testing.assert_array_equal(rounds.accepted, [2, 3, 2])
+    np.testing.assert_array_equal(rounds.committed, [3, 4, 2])
+    # A stop that is the target's token after the drafts ends a round that commits accepted + 1.
+    chain[9] = 1
+    rounds = replay_rounds(chain, mask, finished=True, max_new_tokens=50)
+    np.testing.assert_array_equal(rounds.accepted, [2, 3, 1])
+    np.testing.assert_array_equal(rounds.committed, [3, 4, 2])
     with pytest.raises(ValueError, match="cannot replay 20 new tokens"):
         replay_rounds(chain, mask, finished=False, max_new_tokens=20)
     with pytest.raises(ValueError, match="no answer tokens"):
@@ -66,8 +75,9 @@ def test_replay_equals_greedy_decoding_with_the_shipped_drafters(embedded_target
     embed, head = target.embedding_and_head(target.params)
     chains = jax.jit(lambda batch: greedy_chains(drafter, embed, head, batch))
     replayed = replay_sequences(chains, [sequence], max_new_tokens=NEW, stop_ids=())[sequence.name]
-    accepted = np.concatenate(decoded.accepted_per_round)[: replayed.size]
-    np.testing.assert_array_equal(replayed, accepted)
+    accepted = np.concatenate(decoded.accepted_per_round)[: replayed.accepted.size]
+    np.testing.assert_array_equal(replayed.accepted, accepted)
+    np.testing.assert_array_equal(replayed.committed, np.concatenate(decoded.committed_per_round)[: accepted.size])
     assert 1 + (accepted[:-1] + 1).sum() < NEW <= 1 + (accepted + 1).sum()  # the rounds a NEW-token decode runs
     assert accepted.max() >= 2 and accepted.min() == 0
     summary = replay_summary({sequence.name: replayed}, gamma)

@@ -91,6 +91,29 @@ def test_greedy_equals_target_only_when_every_draft_is_accepted(real, k):
     np.testing.assert_array_equal(result.per_position_acceptance(GAMMA)[:k], 1.0)
 
 
+def test_a_stop_token_among_the_accepted_drafts_ends_the_round_without_the_targets_token(real):
+    """Spec §6.4 step 4: the round's accept length counts the drafts up to the stop, no bonus, and
+    τ is the mean of those lengths (an accepted stop is not counted as accepted + 1)."""
+    target, drafter, prompts, _ = real
+    prompt = prompts[:1]
+    answer = AutoregressiveGenerator(target).generate(prompt, max_new_tokens=40, max_len=256).tokens[0]
+    # Every oracle round commits answer[1 + 8r .. 8 + 8r], the last of them the target's token:
+    # a stop at any other index is an accepted draft. Its first occurrence, so decoding stops there.
+    at = next(j for j in range(2, 32) if j % (GAMMA + 1) and answer.index(answer[j]) == j)
+    truth = np.zeros((1, 48), np.int32)
+    truth[0, : len(answer)] = answer
+    decoder = OracleDecoder(target, drafter, policy=FixedPolicy(GAMMA), continuation_BxN=truth,
+                            prompt_lens=[len(prompt[0])])
+    result = decoder.generate(prompt, max_new_tokens=32, max_len=256, stop_ids=[answer[at]])
+    assert result.tokens[0] == answer[: at + 1] and result.finish_reasons == ["stop"]
+    committed = np.concatenate(result.committed_per_round)
+    accepted = np.concatenate(result.accepted_per_round)
+    assert 1 + committed.sum() == at + 1  # the prefill's token and every round's commit
+    assert committed[-1] == (at - 1) % (GAMMA + 1) + 1 and accepted[-1] == GAMMA  # drafts past the stop pass too
+    np.testing.assert_array_equal(committed[:-1], accepted[:-1] + 1)
+    assert result.tau == pytest.approx(committed.mean()) and result.tau < np.mean(accepted + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScrambledPolicy:
     """Verify lengths that jump around from row to row and round to round (data, not shapes)."""

@@ -44,10 +44,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
-
 from dspark_jax import multihost
 from dspark_jax.config import SamplingConfig
+from dspark_jax.eval.metrics import tau_of
 
 FORMAT = "dspark-jax-batch-job"
 VERSION = 1
@@ -316,8 +315,7 @@ class BatchJob:
             )
         bar.close()
         elapsed = time.perf_counter() - start
-        accepted = getattr(result, "accepted_per_round", None)  # speculative: τ over every request-round
-        accepted = np.concatenate(accepted) if accepted else None
+        committed = getattr(result, "committed_per_round", None)  # speculative: τ over every request-round
         return {"requests": len(requests), "resumed": resumed, "completion_tokens": generated, "seconds": elapsed,
                 "tokens_per_s": generated / elapsed if elapsed > 0 else float("nan"),
-                "tau": None if accepted is None else 1 + float(np.mean(accepted))}
+                "tau": None if not committed else tau_of(committed)}

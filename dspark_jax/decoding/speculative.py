@@ -49,7 +49,7 @@ from dspark_jax.decoding.slots import Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
-from dspark_jax.eval.metrics import per_position_acceptance, width_histogram
+from dspark_jax.eval.metrics import per_position_acceptance, tau_of, width_histogram
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 
@@ -228,6 +228,10 @@ class SpeculativeResult:
     decode_s: float
     rounds: int
     accepted_per_round: list[np.ndarray]  # per round: accepted drafts per active request
+    # per round: tokens committed per active request, the round's accept length as the reference
+    # counts it (spec §6.4): the accepted drafts and the target's token, or the drafts up to and
+    # including a stop token among them (no target token then). Cuts at max_new_tokens not applied.
+    committed_per_round: list[np.ndarray]
     verify_lengths: list[np.ndarray]  # per round: ℓ per active request
     verify_widths: list[int]
     # Decode-loop wall time split, host-timed at the syncs the loop already makes: ``draft_s``
@@ -252,9 +256,8 @@ class SpeculativeResult:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per request-round (accepted drafts + the target's token)."""
-        accepted = np.concatenate(self.accepted_per_round) if self.accepted_per_round else np.zeros(0)
-        return float(np.mean(accepted + 1)) if accepted.size else float("nan")
+        """Mean tokens committed per request-round (``committed_per_round``)."""
+        return tau_of(self.committed_per_round)
 
 
 class SpeculativeDecoder:
@@ -427,7 +430,7 @@ class SpeculativeDecoder:
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
         count = requests.batch
         if max_new_tokens == 0:
-            return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [])
+            return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [], [])
         slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
         batch = slots.rows
         self.rows.check_batch(batch)
@@ -438,7 +441,7 @@ class SpeculativeDecoder:
         stop_set = set(int(s) for s in stop_ids)
         completions = Completions(slots, count, max_new_tokens, on_finish)
 
-        accepted_log, lengths_log, confidence_log, widths = [], [], [], []
+        accepted_log, committed_log, lengths_log, confidence_log, widths = [], [], [], [], []
         prefill_s = decode_s = draft_s = verify_s = 0.0
         # Plain rounds: after a drafted round whose plan is a plain round, the next ``skip``
         # rounds are target steps without a draft (ℓ = 0, decided before they exist); ``skip``
@@ -495,6 +498,7 @@ class SpeculativeDecoder:
             num = np.asarray(verdict.num_emitted_B)
             stopped = np.asarray(verdict.stopped_B)
             accepted_log.append(np.asarray(verdict.num_accepted_B)[active])
+            committed_log.append(num[active])
             verify_s += time.perf_counter() - t_verify
             lengths_log.append(lengths_np[active])
             if drafting and confidence is not None:
@@ -504,6 +508,7 @@ class SpeculativeDecoder:
                 completions.emit(row, emitted[row, : num[row]], bool(stopped[row]))
             decode_s += time.perf_counter() - t_draft
         return SpeculativeResult(
-            completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, lengths_log, widths,
+            completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, committed_log, lengths_log,
+            widths,
             draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log, plain_rounds=plain_rounds,
         )

@@ -24,7 +24,7 @@ import numpy as np
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
-from dspark_jax.eval.metrics import per_position_acceptance
+from dspark_jax.eval.metrics import per_position_acceptance, tau_of
 
 DOMAIN_FILES = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
 
@@ -284,7 +284,7 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
         "prompts": len(runs),
         "speedup": _ratio(_ratio(spec_tokens, spec_decode), _ratio(base_tokens, base_decode)),
         "speedup_with_prefill": _ratio(_ratio(spec_all, spec_total), _ratio(base_all, base_total)),
-        "tau": float(np.mean(accepted_all + 1)) if accepted_all.size else float("nan"),
+        "tau": tau_of([c for r in spec for c in r.committed_per_round]),
         "per_position_acceptance": per_position_acceptance(accepted_all, offered_all, gamma).tolist()
         if accepted_all.size else [float("nan")] * gamma,
         "acceptance_rate": _ratio(float(accepted_all.sum()), float(offered_all.sum())),
@@ -320,45 +320,46 @@ def tau_ratio_interval(runs_by_domain: dict[str, Sequence[Run]], numerator: str,
     """:func:`ratio_interval` of two decoders' benchmark runs (same keyword arguments). With
     ``paths`` sampled paths per prompt (each domain's runs: every prompt once per path, path by
     path), a prompt's rounds from all its paths are pooled, so the bootstrap resamples prompts."""
-    accepted = {}
+    committed = {}
     for domain, runs in runs_by_domain.items():
         if len(runs) % paths:
             raise ValueError(f"{domain}: {len(runs)} runs are not {paths} paths of the same prompts")
         prompts = len(runs) // paths
-        accepted[domain] = {
-            name: [np.concatenate([a for r in runs[i::prompts] for a in r.speculative[name].accepted_per_round]
+        committed[domain] = {
+            name: [np.concatenate([c for r in runs[i::prompts] for c in r.speculative[name].committed_per_round]
                                   or [np.zeros(0, int)]) for i in range(prompts)]
             for name in (numerator, denominator)}
-    return ratio_interval(accepted, numerator, denominator, **kwargs)
+    return ratio_interval(committed, numerator, denominator, **kwargs)
 
 
-def ratio_interval(accepted_by_domain: dict[str, dict[str, Sequence[np.ndarray]]], numerator: str, denominator: str, *,
-                   level: float = 0.9, draws: int = 4000, seed: int = 0, drafts_only: bool = False) -> list[float]:
+def ratio_interval(committed_by_domain: dict[str, dict[str, Sequence[np.ndarray]]], numerator: str, denominator: str,
+                   *, level: float = 0.9, draws: int = 4000, seed: int = 0, drafts_only: bool = False) -> list[float]:
     """Percentile-bootstrap interval ``[low, high]`` of the macro τ ratio ``numerator / denominator``.
 
-    ``accepted_by_domain[domain][name]`` holds, per prompt, the drafts accepted in each round
-    (the same prompts, in the same order, for both decoders). Each draw resamples every domain's
-    prompts with replacement, the same prompts for both decoders, and recomputes each domain's τ
-    as the summaries do (committed tokens / rounds, pooled over the prompts). Greedy τ is
+    ``committed_by_domain[domain][name]`` holds, per prompt, the tokens committed in each round
+    (``SpeculativeResult.committed_per_round``; the same prompts, in the same order, for both
+    decoders). Each draw resamples every domain's prompts with replacement, the same prompts for
+    both decoders, and recomputes each domain's τ as the summaries do (committed tokens / rounds,
+    pooled over the prompts). Greedy τ is
     deterministic, so the interval says how much the ratio depends on which prompts were drawn:
     the question a handful of prompts per domain leaves open.
 
-    ``drafts_only`` takes the ratio of accepted drafts per round, ``τ − 1``, instead: the bonus
-    token every round commits dilutes the τ ratio while acceptance is low (τ 1.5 vs 2.0 is a
+    ``drafts_only`` takes the ratio of ``τ − 1`` (the accepted drafts per round, but for a stop
+    token among them) instead: the target's token almost every round commits dilutes the τ ratio while acceptance is low (τ 1.5 vs 2.0 is a
     ratio of 1.33 where the drafts alone differ 2×), so this one compares the drafters alone.
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
     rng = np.random.default_rng(seed)
-    bonus = 0 if drafts_only else 1
+    target_token = 1 if drafts_only else 0  # taken off every round
     macro_tau = {numerator: np.zeros(draws), denominator: np.zeros(draws)}
-    for by_name in accepted_by_domain.values():
+    for by_name in committed_by_domain.values():
         prompts = len(by_name[numerator])
         picks = rng.integers(0, prompts, size=(draws, prompts))
         for name, total in macro_tau.items():
-            accepted = by_name[name]
-            rounds = np.array([a.size for a in accepted])[picks].sum(axis=1)
-            committed = np.array([(a + bonus).sum() for a in accepted])[picks].sum(axis=1)
+            per_prompt = by_name[name]
+            rounds = np.array([c.size for c in per_prompt])[picks].sum(axis=1)
+            committed = np.array([(c - target_token).sum() for c in per_prompt])[picks].sum(axis=1)
             with np.errstate(invalid="ignore", divide="ignore"):
                 total += committed / rounds  # a draw of round-less prompts only gives NaN
     ratio = macro_tau[numerator] / macro_tau[denominator]  # the 1/domains of both means cancels

@@ -81,6 +81,14 @@ def per_position_acceptance(accepted_R: np.ndarray, verify_len_R: np.ndarray, ga
         return np.where(tried > 0, kept / np.maximum(tried, 1), np.nan)
 
 
+def tau_of(committed_per_round) -> float:
+    """τ: mean tokens committed per request-round, from arrays of each round's committed tokens
+    (accepted drafts + the target's token, or through a stop token among the drafts: spec §6.4).
+    NaN without rounds."""
+    committed = np.concatenate([np.ravel(c) for c in committed_per_round]) if len(committed_per_round) else np.zeros(0)
+    return float(np.mean(committed)) if committed.size else float("nan")
+
+
 def width_histogram(widths: list[int]) -> dict[int, int]:
     """How many rounds ran each verify width."""
     values, counts = np.unique(np.asarray(widths, int), return_counts=True)

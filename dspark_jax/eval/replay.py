@@ -8,7 +8,8 @@ answer the rounds of a real decode are fixed by each anchor's teacher-forced gre
 - the prefill commits the answer's first token; the first round's anchor is that token;
 - a round at anchor ``a`` accepts ``chain[a]`` drafts and commits them and the target's next
   token, and the next round's anchor is the last token it committed;
-- decoding ends once ``max_new_tokens`` are committed, or with the answer's stop token.
+- decoding ends once ``max_new_tokens`` are committed, or with the answer's stop token (a round
+  that accepts the stop as a draft commits the drafts through it and no target token, spec §6.4).
 
 This is the fixed-width policy (every round verifies all γ slots), which is what
 ``scripts/bench_speculative.py`` runs by default; it gives the same τ and per-position
@@ -20,10 +21,11 @@ logits nearly tie can go the other way; the agreement is measured in ``docs/BENC
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
-from dspark_jax.eval.metrics import per_position_acceptance
+from dspark_jax.eval.metrics import per_position_acceptance, tau_of
 from dspark_jax.training.losses import TrainBatch
 from dspark_jax.training.target_cache import CachedSequence
 from dspark_jax.training.train import anchor_candidates
@@ -31,8 +33,16 @@ from dspark_jax.training.train import anchor_candidates
 PAD_TO = 64  # sequences are padded to a multiple of this
 
 
-def replay_rounds(chain_S: np.ndarray, loss_mask_S: np.ndarray, *, finished: bool, max_new_tokens: int) -> np.ndarray:
-    """Drafts accepted in each round of greedy decoding along one cached greedy answer.
+class ReplayedRounds(NamedTuple):
+    """Per round of one replayed decode, as ``SpeculativeResult`` logs them."""
+
+    accepted: np.ndarray  # drafts the target accepts
+    committed: np.ndarray  # tokens committed: accepted + 1, or the drafts through the stop token
+
+
+def replay_rounds(chain_S: np.ndarray, loss_mask_S: np.ndarray, *, finished: bool,
+                  max_new_tokens: int) -> ReplayedRounds:
+    """The rounds of greedy decoding along one cached greedy answer.
 
     ``chain_S[a]`` is the greedy chain of the block anchored at position ``a`` (only response
     positions are read); ``loss_mask_S`` marks the answer; ``finished`` says whether the answer
@@ -46,15 +56,17 @@ def replay_rounds(chain_S: np.ndarray, loss_mask_S: np.ndarray, *, finished: boo
     if not finished and end - first < max_new_tokens:
         raise ValueError(f"the cached answer has {end - first} tokens and no stop token: it cannot replay "
                          f"{max_new_tokens} new tokens (answer with a larger cap, or replay fewer)")
-    accepted = []
-    committed, anchor = 1, first  # the prefill's token
-    while committed < max_new_tokens and anchor + 1 < end:
+    accepted, committed = [], []
+    total, anchor = 1, first  # the prefill's token
+    while total < max_new_tokens and anchor + 1 < end:
         drafts = int(chain_S[anchor])
-        accepted.append(drafts)
-        # The round's drafts and the target's token after them, or up to the stop token.
+        # The round's drafts and the target's token after them, or up to the stop token. An
+        # unfinished answer's end is only the cache's cap: the round commits past it.
         step = min(drafts + 1, end - 1 - anchor)
-        committed, anchor = committed + step, anchor + step
-    return np.asarray(accepted, np.int64)
+        accepted.append(drafts)
+        committed.append(step if finished else drafts + 1)
+        total, anchor = total + step, anchor + step
+    return ReplayedRounds(np.asarray(accepted, np.int64), np.asarray(committed, np.int64))
 
 
 def anchor_batch(seq: CachedSequence, seq_len: int, num_anchors: int) -> TrainBatch:
@@ -78,31 +90,31 @@ def anchor_batch(seq: CachedSequence, seq_len: int, num_anchors: int) -> TrainBa
 
 
 def replay_sequences(chains: Callable[[TrainBatch], np.ndarray], sequences: Sequence[CachedSequence], *,
-                     max_new_tokens: int, stop_ids: Sequence[int]) -> dict[str, np.ndarray]:
+                     max_new_tokens: int, stop_ids: Sequence[int]) -> dict[str, ReplayedRounds]:
     """Replay greedy decoding of ``max_new_tokens`` along every sequence (greedy answers):
-    ``{name: drafts accepted per round}``. ``chains`` maps a batch to its ``[1, A]`` greedy
+    ``{name: its rounds}``. ``chains`` maps a batch to its ``[1, A]`` greedy
     chains (``greedy_chains`` of one drafter, jitted)."""
     stops = {int(s) for s in stop_ids}
     # One padded length for the whole set, so ``chains`` compiles once.
     seq_len = PAD_TO * -(-max((len(s.input_ids) for s in sequences), default=1) // PAD_TO)
-    accepted = {}
+    rounds = {}
     for seq in sequences:
         batch = anchor_batch(seq, seq_len, max_new_tokens)
         keep = batch.keep_BxA[0]
         chain_S = np.zeros(seq_len, np.int64)
         chain_S[batch.anchors_BxA[0][keep]] = np.asarray(chains(batch))[0][keep]
-        accepted[seq.name] = replay_rounds(chain_S, seq.loss_mask, finished=int(seq.input_ids[-1]) in stops,
-                                           max_new_tokens=max_new_tokens)
-    return accepted
+        rounds[seq.name] = replay_rounds(chain_S, seq.loss_mask, finished=int(seq.input_ids[-1]) in stops,
+                                         max_new_tokens=max_new_tokens)
+    return rounds
 
 
-def replay_summary(accepted: dict[str, np.ndarray], gamma: int) -> dict:
-    """What the benchmark reports of a set of prompts' rounds: ``tau`` (``mean(accepted + 1)``
-    over all rounds, bonus included), ``per_position_acceptance``, ``rounds`` and ``per_sequence`` τ."""
-    pooled = np.concatenate(list(accepted.values())) if accepted else np.zeros(0, np.int64)
+def replay_summary(rounds: dict[str, ReplayedRounds], gamma: int) -> dict:
+    """What the benchmark reports of a set of prompts' rounds: ``tau`` (mean tokens committed
+    over all rounds), ``per_position_acceptance``, ``rounds`` and ``per_sequence`` τ."""
+    accepted = np.concatenate([r.accepted for r in rounds.values()]) if rounds else np.zeros(0, np.int64)
     return {
-        "tau": float(np.mean(pooled + 1)) if pooled.size else float("nan"),
-        "per_position_acceptance": per_position_acceptance(pooled, np.full(pooled.shape, gamma), gamma).tolist(),
-        "rounds": int(pooled.size),
-        "per_sequence": {name: float(np.mean(a + 1)) if a.size else None for name, a in accepted.items()},
+        "tau": tau_of([r.committed for r in rounds.values()]),
+        "per_position_acceptance": per_position_acceptance(accepted, np.full(accepted.shape, gamma), gamma).tolist(),
+        "rounds": int(accepted.size),
+        "per_sequence": {name: tau_of([r.committed]) if r.committed.size else None for name, r in rounds.items()},
     }
