@@ -422,7 +422,6 @@ def cmd_calibrate(args) -> int:
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.training import calibrate
-    from dspark_jax.training.data import MIX, build_prompts
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
@@ -431,17 +430,10 @@ def cmd_calibrate(args) -> int:
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     if not drafter.cfg.confidence_head:
         raise SystemExit(f"--drafter {args.drafter!r}: a {drafter.cfg.kind} drafter has no confidence head to calibrate")
-    if args.exclude_config:
-        from dspark_jax.training.train import load_config, prompts_not_trained_on
-
-        fresh = prompts_not_trained_on([load_config(path) for path in args.exclude_config], 4 * args.prompts,
-                                       seed=args.data_seed, mix=MIX)
-        if len(fresh) < args.prompts:
-            raise SystemExit(f"--exclude-config: only {len(fresh)} of {4 * args.prompts} generated prompts are "
-                             f"untrained; ask for fewer --prompts or another --data-seed")
-        texts = [p.text for p in fresh[: args.prompts]]
-    else:
-        texts = [p.text for p in build_prompts(args.prompts, seed=args.data_seed, mix=MIX)]
+    try:
+        texts = calibrate.heldout_prompt_texts(args.prompts, seed=args.data_seed, exclude_configs=args.exclude_config)
+    except ValueError as error:
+        raise SystemExit(f"--exclude-config: {error}") from None
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
     logits, accepted = calibrate.collect_rounds(
@@ -455,6 +447,10 @@ def cmd_calibrate(args) -> int:
           f"biases {_fmt_values(fitted['biases'])}")
     print(f"ECE of the survival per position: {_fmt_values(fitted['ece_before'])} -> {_fmt_values(fitted['ece_after'])}")
     print(f"log loss per position: {_fmt_values(fitted['log_loss_before'])} -> {_fmt_values(fitted['log_loss_after'])}")
+    if fitted["at_grid_edge"]:
+        print(f"note: positions {fitted['at_grid_edge']} fitted at an end of the search grid (temperatures "
+              f"{calibrate.GRID[0]}-{calibrate.GRID[-1]}, biases {calibrate.BIAS_GRID[0]}-{calibrate.BIAS_GRID[-1]}): "
+              f"their best values may lie beyond it; more --prompts give those positions more rounds", file=sys.stderr)
     print(f"wrote {path}")
     return 0
 

@@ -32,11 +32,11 @@ from dspark_jax.training.calibrate import (
     calibrated,
     collect_rounds,
     ece,
+    heldout_prompt_texts,
     log_loss,
     prefix_labels,
     read_calibrations,
 )
-from dspark_jax.training.data import MIX, build_prompts
 
 
 def score(survival_NxG: np.ndarray, labels_NxG: np.ndarray) -> dict:
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", action="append", default=[], help="calibration.json to score; repeatable")
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--data-seed", type=int, default=1001)
+    ap.add_argument("--exclude-config", action="append", default=[], metavar="CONFIG",
+                    help="a training config (configs/NAME.py) whose prompts are left out; repeatable")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
     started = time.time()
     target, tokenizer = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
-    texts = [p.text for p in build_prompts(args.prompts, seed=args.data_seed, mix=MIX)]
+    texts = heldout_prompt_texts(args.prompts, seed=args.data_seed, exclude_configs=args.exclude_config)
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
     logits, accepted = collect_rounds(decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
@@ -88,7 +90,8 @@ def main(argv=None) -> int:
     result = {
         "drafter": name,
         "mode": sampling.describe(),
-        "settings": {"prompts": args.prompts, "data_seed": args.data_seed, "max_new_tokens": args.max_new_tokens,
+        "settings": {"prompts": args.prompts, "data_seed": args.data_seed, "excluded_configs": args.exclude_config,
+                     "max_new_tokens": args.max_new_tokens,
                      "sampling": dataclasses.asdict(sampling), "seed": args.seed},
         "rounds": int(len(accepted)),
         "observed_survival": labels.mean(0).tolist(),

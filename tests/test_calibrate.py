@@ -2,6 +2,7 @@
 only a bias removes an offset, and the fit holds on held-out rounds."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,6 +76,16 @@ def test_only_a_bias_removes_an_offset():
     assert all(after < before for after, before in zip(platt["log_loss_after"], platt["log_loss_before"]))
 
 
+def test_a_fit_at_the_end_of_its_grid_is_marked():
+    """A best bias beyond the bias grid is clamped to its end; the fit says which positions."""
+    rng = np.random.default_rng(4)
+    z, accepted = _rounds(rng, 20000, [1.0, 1.0], [0.0, 2.0])
+    assert fit_calibration(z, accepted)["at_grid_edge"] == []
+    narrow = fit_calibration(z, accepted, bias_grid=np.linspace(-1.0, 1.0, 81))
+    assert narrow["at_grid_edge"] == [2] and narrow["biases"][1] == 1.0
+    assert fit_calibration(z, accepted, grid=np.geomspace(2.0, 4.0, 31))["at_grid_edge"] == [1, 2]
+
+
 def test_calibration_file_round_trip_and_errors(tmp_path):
     fitted = fit_calibration(*_rounds(np.random.default_rng(2), 2000, [1.0, 1.0]))
     greedy, t1, t07 = SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(0.7, top_k=20, top_p=0.8)
@@ -110,3 +121,19 @@ def test_calibration_file_round_trip_and_errors(tmp_path):
         fit_calibration(np.zeros((0, 3)), np.zeros(0))
     with pytest.raises(ValueError, match="calibration method"):
         fit_calibration(np.zeros((1, 3)), np.zeros(1), "isotonic")
+
+
+def test_heldout_prompts_leave_out_what_a_config_trained_on():
+    from dspark_jax.training.calibrate import heldout_prompt_texts
+    from dspark_jax.training.data import normalise_text
+    from dspark_jax.training.train import load_config, training_prompts
+
+    config = Path(__file__).parents[1] / "configs" / "tiny_test.py"
+    trained = {normalise_text(p.text) for p in training_prompts(load_config(config))}
+    plain = heldout_prompt_texts(64, seed=0)
+    assert len(plain) == 64 and {normalise_text(t) for t in plain} <= trained  # the config's own seed: its prompts
+    fresh = heldout_prompt_texts(8, seed=1000, exclude_configs=[config])
+    assert len(fresh) == 8 and not {normalise_text(t) for t in fresh} & trained
+    assert fresh == heldout_prompt_texts(8, seed=1000, exclude_configs=[config])  # reproducible
+    with pytest.raises(ValueError, match="only 0 of 64 generated prompts are untrained by .*tiny_test.py"):
+        heldout_prompt_texts(16, seed=0, exclude_configs=[config])

@@ -108,7 +108,10 @@ def _best_log_loss(survival, z, label, grid, bias_grid):
 def fit_calibration(logits_NxG: np.ndarray, accepted_N: np.ndarray, method: str = "platt",
                     grid: Sequence[float] = GRID, bias_grid: Sequence[float] = BIAS_GRID) -> dict:
     """Per-position temperatures and biases, fitted left to right (module docstring); the ECE
-    and log loss of the survival before (raw ``σ(z)``) and after, per position."""
+    and log loss of the survival before (raw ``σ(z)``) and after, per position, on the rounds it
+    was fitted on (``scripts/eval_calibration.py`` scores held-out ones); and ``at_grid_edge``,
+    the positions (1-based) whose temperature or bias is an end of its search grid, where the
+    best value may lie beyond it (too few rounds there, or a head that barely ranks them)."""
     if method not in METHODS:
         raise ValueError(f"calibration method must be one of {METHODS}, got {method!r}")
     z = np.asarray(logits_NxG, np.float64)
@@ -138,7 +141,26 @@ def fit_calibration(logits_NxG: np.ndarray, accepted_N: np.ndarray, method: str 
         "log_loss_after": log_loss(fitted.T, labels.T).tolist(),
         "observed_survival": labels.mean(0).tolist(),
         "rounds": int(n),
+        "at_grid_edge": [k + 1 for k in range(gamma) if temperatures[k] in (grid[0], grid[-1])
+                         or (method == "platt" and biases[k] in (bias_grid[0], bias_grid[-1]))],
     }
+
+
+def heldout_prompt_texts(count: int, *, seed: int, exclude_configs: Sequence = ()) -> list[str]:
+    """``count`` prompts of the generated training mix (``training.data.MIX``) for ``seed``,
+    leaving out every prompt a training config in ``exclude_configs`` (paths) trained on: the
+    generators reuse templates, so another seed alone can repeat training prompts."""
+    from dspark_jax.training.data import MIX, build_prompts
+
+    if not exclude_configs:
+        return [p.text for p in build_prompts(count, seed=seed, mix=MIX)]
+    from dspark_jax.training.train import load_config, prompts_not_trained_on
+
+    fresh = prompts_not_trained_on([load_config(path) for path in exclude_configs], 4 * count, seed=seed, mix=MIX)
+    if len(fresh) < count:
+        raise ValueError(f"only {len(fresh)} of {4 * count} generated prompts are untrained by "
+                         f"{', '.join(map(str, exclude_configs))}; ask for fewer prompts or another data seed")
+    return [p.text for p in fresh[:count]]
 
 
 def collect_rounds(decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampling, stop_ids=(),
