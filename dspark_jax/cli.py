@@ -603,7 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit the confidence head's calibration on held-out prompts")
     cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
-    cal.add_argument("--prompts", type=positive_int, default=48, help="held-out prompts to decode (default 48)")
+    cal.add_argument("--prompts", type=positive_int, default=192,
+                     help="held-out prompts to decode (default 192: a fit on 48 did not hold on other prompts, "
+                          "docs/BENCHMARKS.md; about 9 minutes on 2 CPU cores)")
     cal.add_argument("--data-seed", type=int, default=1000,
                      help="seed of the generated prompt mix (default 1000, a seed no shipped drafter trained on; "
                           "the generators reuse templates, so --exclude-config the drafter's training config)")
