@@ -508,7 +508,7 @@ class SpeculativeDecoder:
                 completions.emit(row, emitted[row, : num[row]], bool(stopped[row]))
             decode_s += time.perf_counter() - t_draft
         return SpeculativeResult(
-            completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, committed_log, lengths_log,
-            widths,
-            draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log, plain_rounds=plain_rounds,
+            completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, committed_log,
+            lengths_log, widths, draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log,
+            plain_rounds=plain_rounds,
         )
