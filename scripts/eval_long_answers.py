@@ -137,10 +137,12 @@ def bucket_names(max_new_tokens: int, bucket: int) -> list[str]:
 
 def tau_by_bucket(per_prompt: list[list[list[int]]], names: list[str]) -> dict:
     """Per bucket: τ (tokens committed per round, pooled over the prompts) and the rounds."""
+    from dspark_jax.eval.metrics import tau_of
+
     cells = {}
     for i, name in enumerate(names):
         rounds = [c for committed in per_prompt for c in committed[i]]
-        cells[name] = {"tau": float(np.mean(rounds)) if rounds else None, "rounds": len(rounds)}
+        cells[name] = {"tau": tau_of([rounds]) if rounds else None, "rounds": len(rounds)}
     return cells
 
 

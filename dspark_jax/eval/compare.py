@@ -345,8 +345,9 @@ def ratio_interval(committed_by_domain: dict[str, dict[str, Sequence[np.ndarray]
     the question a handful of prompts per domain leaves open.
 
     ``drafts_only`` takes the ratio of ``τ − 1`` (the accepted drafts per round, but for a stop
-    token among them) instead: the target's token almost every round commits dilutes the τ ratio while acceptance is low (τ 1.5 vs 2.0 is a
-    ratio of 1.33 where the drafts alone differ 2×), so this one compares the drafters alone.
+    token among them) instead: the target's token almost every round commits dilutes the τ ratio
+    while acceptance is low (τ 1.5 vs 2.0 is a ratio of 1.33 where the drafts alone differ 2×), so
+    this one compares the drafters alone.
     """
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
