@@ -136,3 +136,20 @@ def test_emitted_token_follows_the_target_distribution(config):
     broken = _first_emitted_distribution(q, p, config, n, broken=True)
     chi2_broken = n * (((broken - expected) ** 2)[support] / expected[support]).sum() if (broken[~support] == 0).all() else np.inf
     assert chi2_broken > 100.0
+
+
+def test_a_rejection_with_a_tiny_residual_still_draws_from_the_residual():
+    """A rejection happens with probability equal to the residual mass, so however small that
+    mass, the token after a rejection must come from it: here the residual is all on token 1,
+    and falling back to ``p`` (as a residual under 1e-6 once did) emits token 0 instead. The
+    reference falls back only below 1e-8, where float32 ``p − q`` is rounding."""
+    delta, n = 9e-7, 1 << 23  # about 7 of the 8.4M rows reject draft 0 (u ≥ 1 − δ)
+    config = SamplingConfig(temperature=1.0)
+    target = jnp.broadcast_to(jnp.log(jnp.asarray([1.0 - delta, delta], jnp.float32)), (n, 2, 2))
+    q_BxGxV = jnp.broadcast_to(jnp.asarray([1.0, 0.0], jnp.float32), (n, 1, 2))
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    out = verify(jnp.zeros((n, 1), jnp.int32), q_BxGxV, target, jnp.ones((n,), jnp.int32),
+                 SamplingParams.broadcast(config, n), keys, NO_STOP)
+    rejected = np.asarray(out.num_accepted_B) == 0
+    assert rejected.sum() >= 1
+    np.testing.assert_array_equal(np.asarray(out.emitted_BxE[rejected, 0]), 1)

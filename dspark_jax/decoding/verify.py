@@ -25,8 +25,10 @@ import jax.numpy as jnp
 
 from dspark_jax.sampling import SamplingParams, any_sampled, probabilities
 
-# Residual mass below this is treated as zero (p and q agree up to rounding): draw from p.
-RESIDUAL_EPS = 1e-6
+# Residual mass at or below this counts as zero (p = q up to rounding): draw from p, as the
+# reference does. A rejection happens with probability equal to the residual mass, so a larger
+# cut-off would draw from p, not the residual, in rejections that do happen (1e-6 once did).
+RESIDUAL_EPS = 1e-8
 
 
 class Verdict(NamedTuple):
