@@ -153,3 +153,16 @@ def test_a_rejection_with_a_tiny_residual_still_draws_from_the_residual():
     rejected = np.asarray(out.num_accepted_B) == 0
     assert rejected.sum() >= 1
     np.testing.assert_array_equal(np.asarray(out.emitted_BxE[rejected, 0]), 1)
+
+
+def test_a_draft_id_outside_the_vocabulary_ends_the_verified_prefix():
+    """A broken drafter's id is never accepted or committed: the target's token follows the
+    drafts before it. (A -1 used to wrap onto the last token, pass, and be committed as -1.)"""
+    tokens = jnp.asarray([[1, -1, 3], [1, 2, V]], jnp.int32)
+    q = jnp.full((2, GAMMA, V), 1.0 / V)
+    target = one_hot_logits([[1, V - 1, 3, 4], [1, 2, 0, 4]])
+    out = verify(tokens, q, target, jnp.asarray([3, 3], jnp.int32), SamplingParams.broadcast(GREEDY, 2),
+                 request_keys(range(2)), NO_STOP)
+    np.testing.assert_array_equal(out.num_accepted_B, [1, 2])
+    np.testing.assert_array_equal(out.emitted_BxE, [[1, V - 1, -1, -1], [1, 2, 0, -1]])
+    np.testing.assert_array_equal(out.num_emitted_B, [2, 3])

@@ -9,7 +9,8 @@ request's temperature/top-k/top-p (``dspark_jax.sampling.probabilities``):
   first rejection or ``ℓ``;
 * after a rejection at ``k``, the next token is drawn from ``normalize(max(0, p_{k-1} − q_k))``
   (from ``p_{k-1}`` itself when that mass is ~0, which only happens when ``p ≈ q``);
-* when all ``ℓ`` pass, a bonus token is drawn from ``p_ℓ``.
+* when all ``ℓ`` pass, a bonus token is drawn from ``p_ℓ``;
+* a draft id outside ``[0, V)`` is never verified: ``ℓ`` ends before it.
 
 The emitted tokens then follow the target's distribution exactly (speculative sampling). Greedy
 rows need no special case: their ``p`` and ``q`` are one-hot argmaxes, so acceptance is argmax
@@ -73,6 +74,11 @@ def verify(
     # A length past the scored drafts would take a rejection where none was tested.
     verify_len_B = jnp.minimum(verify_len_B, checked)
     tokens = draft_tokens_BxG[:, :checked]
+    # A draft id outside the vocabulary (a broken drafter: no q can draw one) ends the verified
+    # prefix, so the target's own token follows the drafts before it. Indexing p with it would
+    # wrap a negative id onto the last token and could accept and commit it.
+    in_vocab = (tokens >= 0) & (tokens < p_BxWxV.shape[-1])
+    verify_len_B = jnp.minimum(verify_len_B, jnp.sum(jnp.cumprod(in_vocab.astype(jnp.int32), axis=1), axis=1))
     p_of_x = jnp.take_along_axis(p_BxWxV[:, :checked], tokens[..., None], axis=-1)[..., 0]
     q_of_x = jnp.take_along_axis(q_BxGxV[:, :checked], tokens[..., None], axis=-1)[..., 0]
     uniform = jax.vmap(lambda k: jax.random.uniform(k, (checked,)))(accept_keys)

@@ -39,4 +39,5 @@ class SpeculativeDrafter(Protocol):
         params: SamplingParams, keys_BxG: jax.Array,
     ) -> tuple[DraftBlock, jax.Array | None]:
         """γ draft tokens after the anchor with the exact distributions they were drawn from
-        (``q_BxGxV``, after ``params``' transforms), and per-slot confidence logits or None."""
+        (``q_BxGxV``, after ``params``' transforms), and per-slot confidence logits or None.
+        Token ids must lie in ``[0, V)``; verification stops before one that does not."""
