@@ -142,7 +142,7 @@ def test_a_rejection_with_a_tiny_residual_still_draws_from_the_residual():
     """A rejection happens with probability equal to the residual mass, so however small that
     mass, the token after a rejection must come from it: here the residual is all on token 1,
     and falling back to ``p`` (as a residual under 1e-6 once did) emits token 0 instead. The
-    reference falls back only below 1e-8, where float32 ``p − q`` is rounding."""
+    reference falls back only at or below 1e-8, where float32 ``p − q`` is rounding."""
     delta, n = 9e-7, 1 << 23  # about 7 of the 8.4M rows reject draft 0 (u ≥ 1 − δ)
     config = SamplingConfig(temperature=1.0)
     target = jnp.broadcast_to(jnp.log(jnp.asarray([1.0 - delta, delta], jnp.float32)), (n, 2, 2))
