@@ -200,6 +200,21 @@ def test_a_drafter_with_its_own_head_counts_serves_the_target(tiny):
     assert result.tokens == reference.tokens and result.tau > 1.0
 
 
+def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):
+    """A broken ``SpeculativeDrafter`` is named at its first bad draft, not decoded around."""
+    target, drafter = tiny
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    draft = decoder._draft
+
+    def broken_draft(*args):
+        block, lengths, confidence = draft(*args)
+        return block._replace(tokens_BxG=block.tokens_BxG.at[:, 1].set(-1)), lengths, confidence
+
+    decoder._draft = broken_draft
+    with pytest.raises(ValueError, match=r"outside the target's vocabulary \[0, 12\)"):
+        decoder.generate([[3, 1, 4]], max_new_tokens=8, max_len=32)
+
+
 def exact_first_two(target, prompt, config):
     """P(t1, t2) under target-only sampling, from the target's own (transformed) distributions."""
     from dspark_jax.sampling import SamplingParams, probabilities

@@ -166,3 +166,5 @@ def test_a_draft_id_outside_the_vocabulary_ends_the_verified_prefix():
     np.testing.assert_array_equal(out.num_accepted_B, [1, 2])
     np.testing.assert_array_equal(out.emitted_BxE, [[1, V - 1, -1, -1], [1, 2, 0, -1]])
     np.testing.assert_array_equal(out.num_emitted_B, [2, 3])
+    np.testing.assert_array_equal(out.out_of_vocab_B, [True, True])
+    assert not run([[1, 2, 3]], [[1, 2, 3, 4]], [3]).out_of_vocab_B.any()

@@ -494,6 +494,9 @@ class SpeculativeDecoder:
                 else:
                     skip, floor = min(max(2 * skip, 1), MAX_PLAIN_ROUNDS), NO_FLOOR
                     plain_left = skip
+            if drafting and np.asarray(verdict.out_of_vocab_B)[active].any():
+                raise ValueError(f"the drafter proposed a token id outside the target's vocabulary [0, "
+                                 f"{self.target.cfg.vocab_size}): its propose() is broken (SpeculativeDrafter)")
             emitted = np.asarray(verdict.emitted_BxE)
             num = np.asarray(verdict.num_emitted_B)
             stopped = np.asarray(verdict.stopped_B)

@@ -10,7 +10,8 @@ request's temperature/top-k/top-p (``dspark_jax.sampling.probabilities``):
 * after a rejection at ``k``, the next token is drawn from ``normalize(max(0, p_{k-1} − q_k))``
   (from ``p_{k-1}`` itself when that mass is ~0, which only happens when ``p ≈ q``);
 * when all ``ℓ`` pass, a bonus token is drawn from ``p_ℓ``;
-* a draft id outside ``[0, V)`` is never verified: ``ℓ`` ends before it.
+* a draft id outside ``[0, V)`` is never verified: ``ℓ`` ends before it, and the verdict flags
+  the row (``SpeculativeDecoder`` raises).
 
 The emitted tokens then follow the target's distribution exactly (speculative sampling). Greedy
 rows need no special case: their ``p`` and ``q`` are one-hot argmaxes, so acceptance is argmax
@@ -37,6 +38,7 @@ class Verdict(NamedTuple):
     emitted_BxE: jax.Array  # int32 [B, γ+1]: x_1..x_a, then the residual/bonus token; -1 after
     num_emitted_B: jax.Array  # int32 tokens of ``emitted`` to commit (cut after a stop id)
     stopped_B: jax.Array  # bool: a stop id is among the committed tokens
+    out_of_vocab_B: jax.Array  # bool: the block holds a draft id outside [0, V) (a broken drafter)
 
 
 def target_probabilities(target_logits_BxWxV: jax.Array, params: SamplingParams) -> jax.Array:
@@ -77,8 +79,9 @@ def verify(
     # A draft id outside the vocabulary (a broken drafter: no q can draw one) ends the verified
     # prefix, so the target's own token follows the drafts before it. Indexing p with it would
     # wrap a negative id onto the last token and could accept and commit it.
-    in_vocab = (tokens >= 0) & (tokens < p_BxWxV.shape[-1])
-    verify_len_B = jnp.minimum(verify_len_B, jnp.sum(jnp.cumprod(in_vocab.astype(jnp.int32), axis=1), axis=1))
+    in_vocab_BxG = (draft_tokens_BxG >= 0) & (draft_tokens_BxG < p_BxWxV.shape[-1])
+    in_vocab = in_vocab_BxG[:, :checked].astype(jnp.int32)
+    verify_len_B = jnp.minimum(verify_len_B, jnp.sum(jnp.cumprod(in_vocab, axis=1), axis=1))
     p_of_x = jnp.take_along_axis(p_BxWxV[:, :checked], tokens[..., None], axis=-1)[..., 0]
     q_of_x = jnp.take_along_axis(q_BxGxV[:, :checked], tokens[..., None], axis=-1)[..., 0]
     uniform = jax.vmap(lambda k: jax.random.uniform(k, (checked,)))(accept_keys)
@@ -112,4 +115,5 @@ def verify(
     stopped = is_stop.any(axis=1)
     num_emitted = jnp.where(stopped, first_stop + 1, num_accepted + 1).astype(jnp.int32)
     emitted = jnp.where(slots < num_emitted[:, None], emitted, -1)
-    return Verdict(num_accepted.astype(jnp.int32), emitted.astype(jnp.int32), num_emitted, stopped)
+    return Verdict(num_accepted.astype(jnp.int32), emitted.astype(jnp.int32), num_emitted, stopped,
+                   ~in_vocab_BxG.all(axis=1))

@@ -40,4 +40,5 @@ class SpeculativeDrafter(Protocol):
     ) -> tuple[DraftBlock, jax.Array | None]:
         """γ draft tokens after the anchor with the exact distributions they were drawn from
         (``q_BxGxV``, after ``params``' transforms), and per-slot confidence logits or None.
-        Token ids must lie in ``[0, V)``; verification stops before one that does not."""
+        Token ids must lie in ``[0, V)``: ``SpeculativeDecoder`` raises a ``ValueError`` at the
+        first round that drafts one outside it (``verify`` itself stops before such an id)."""
