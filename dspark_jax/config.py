@@ -267,9 +267,12 @@ class DrafterConfig:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 
     @classmethod
-    def for_target(cls, target: TargetConfig, *, num_layers: int, tap_layers, mask_token_id: int, **kw):
-        """A drafter whose layers copy the target's dimensions (DeepSpec's deep copy + overrides)."""
-        backbone = dataclasses.replace(target, num_layers=num_layers)
+    def for_target(cls, target: TargetConfig, *, num_layers: int, tap_layers, mask_token_id: int,
+                   qk_norm: bool = True, **kw):
+        """A drafter whose layers copy the target's dimensions (DeepSpec's deep copy + overrides).
+        Its attention RMS-normalises q and k per head whether or not the target does: DeepSpec's
+        draft layers are Qwen3 layers, and a Llama target has no such norms to copy."""
+        backbone = dataclasses.replace(target, num_layers=num_layers, qk_norm=qk_norm)
         cfg = cls(backbone=backbone, tap_layers=tuple(tap_layers), mask_token_id=mask_token_id, **kw)
         cfg.check_target(target)
         return cfg

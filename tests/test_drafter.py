@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dspark_jax.checkpoints.drafter import build_drafter
 from dspark_jax.config import DrafterConfig, SamplingConfig
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter, select_draft_vocab
@@ -311,3 +312,22 @@ def test_drafter_for_the_embedded_target(embedded_target):
     drafter = Drafter(cfg, rngs=nnx.Rngs(0), draft_vocab_ids=np.arange(8192))
     # 1 layer (≈3.5M) + fc (5·576·576) + Markov W1 (49152·256) + W2 (256·8192) + reduced head + confidence
     assert 20e6 < drafter.num_params < 25e6
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_a_new_drafter_starts_as_deepspecs_do(kind):
+    """Every projection starts at N(0, 0.02), HF's initializer_range, and attention RMS-normalises
+    q and k per head although this target has no QK-norm: DeepSpec's draft layers are Qwen3's."""
+    target = tiny_config(num_layers=4, hidden_size=128, intermediate_size=256)
+    assert not target.qk_norm
+    build = {"dspark": DrafterConfig.for_target, "dflash": DrafterConfig.dflash, "eagle3": DrafterConfig.eagle3}[kind]
+    layers = {} if kind == "eagle3" else {"num_layers": 1}
+    cfg = build(target, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA, **layers)
+    drafter = build_drafter(cfg, seed=0)
+    attention = drafter if kind == "eagle3" else drafter.backbone.layers[0]
+    assert attention.q_norm is not None and attention.k_norm is not None
+    matrices = [(jax.tree_util.keystr(path), leaf) for path, leaf in
+                jax.tree_util.tree_flatten_with_path(nnx.state(drafter, nnx.Param))[0] if leaf.ndim == 2]
+    assert len(matrices) >= 5
+    for name, weight in matrices:
+        assert 0.019 < float(jnp.std(weight)) < 0.021, name

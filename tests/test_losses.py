@@ -220,6 +220,16 @@ def test_hand_values_nonzero_confidence_logit():
     np.testing.assert_allclose(m["tau_probabilistic"], 1 + 5 / 6, rtol=1e-6)
 
 
+def test_confidence_diagnostics_are_weighted_by_position_as_the_bce():
+    # Slot 0: σ = 3/4 against c* = 5/6; slot 1 (weight W1): σ = 1/2 against c* = 1. DeepSpec
+    # weights the logged errors like the BCE, so its numbers and ours compare.
+    draft, target, labels, mask, _ = hand_inputs()
+    _, (_, m) = run_losses(draft, target, labels, mask, np.array([[LN3, 0.0]]), make_cfg())
+    np.testing.assert_allclose(m["confidence_abs_error"], (1 / 12 + W1 / 2) / (1 + W1), rtol=1e-5)
+    np.testing.assert_allclose(m["confidence_bias"], (-1 / 12 - W1 / 2) / (1 + W1), rtol=1e-5)
+    np.testing.assert_allclose(m["confidence_cumprod_bias"], (-1 / 12 + W1 * (3 / 8 - 5 / 6)) / (1 + W1), rtol=1e-5)
+
+
 def test_tv_half_toggles_only_tv():
     inputs = hand_inputs()
     _, (_, full) = run_losses(*inputs, make_cfg(tv_half=False))

@@ -14,6 +14,7 @@ from flax import nnx
 
 from dspark_jax.checkpoints.drafter import build_drafter, load_drafter
 from dspark_jax.cli import main as cli_main
+from dspark_jax.config import DrafterConfig
 from dspark_jax.training import target_cache
 from dspark_jax.training import train as train_module
 from dspark_jax.training.target_cache import (
@@ -39,6 +40,7 @@ from dspark_jax.training.train import (
     run_budgeted,
     same_legs,
     sample_anchors,
+    schedule,
     train,
     train_together,
 )
@@ -578,6 +580,41 @@ def test_a_block_drafter_baseline_follows_each_legs_depth(tiny_parts):
         assert flash_leg.drafter["num_layers"] == spark_leg.drafter.get("num_layers", 1), spark_leg.name
 
 
+@pytest.mark.parametrize("steps, warmup", [(100, 4), (10, 1)])
+def test_the_learning_rate_schedule_is_deepspecs(tiny_parts, steps, warmup):
+    """Warm-up step t at (t + 1)/W of the peak (the peak itself at W − 1), then a cosine from the
+    peak at W to 0 (``deepspec/utils/optim.py``)."""
+    config = dataclasses.replace(tiny_parts[0], steps=steps, learning_rate=2e-3)
+    t = np.arange(steps)
+    cosine = 0.5 * (1 + np.cos(np.pi * (t - warmup) / (steps - warmup)))
+    expected = 2e-3 * np.where(t < warmup, (t + 1) / warmup, cosine)
+    np.testing.assert_allclose([float(schedule(config)(i)) for i in t], expected, rtol=1e-5, atol=2e-9)  # float32
+
+
+def test_a_baseline_follows_each_legs_qk_norm(tiny_parts):
+    config, target, _ = tiny_parts
+    plain = dataclasses.replace(config, drafter={**config.drafter, "qk_norm": False})
+    for kind in ("dflash", "eagle3"):
+        baseline = same_legs(next_leg(plain, "tiny_second"), dict(kind=kind, mask_token_id=0, block_size=4),
+                             ("tiny", "base"))
+        assert [leg.drafter["qk_norm"] for leg in baseline.legs] == [False, False]
+        assert drafter_config(baseline, target.cfg).backbone.qk_norm is False
+        with pytest.raises(ValueError, match="takes qk_norm"):
+            same_legs(plain, dict(kind=kind, mask_token_id=0, block_size=4, qk_norm=True), ("tiny", "base"))
+    # Left unset, every drafter has DeepSpec's QK-norm, whatever the target has.
+    assert not target.cfg.qk_norm and drafter_config(config, target.cfg).backbone.qk_norm
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_the_shipped_configs_describe_the_shipped_drafters(kind, embedded_target):
+    """A shipped config's last leg builds the drafter in the package (its qk_norm included), so
+    the next leg started from it is not refused by ``warm_start``."""
+    config = load_config(REPO / "configs" / f"smollm2_135m_{kind}.py")
+    shipped = json.loads((REPO / "dspark_jax" / "drafters" / f"smollm2_135m_{kind}" / "config.json").read_text())
+    cfg = drafter_config(config, embedded_target[0].cfg)
+    assert cfg.to_dict() == DrafterConfig.from_dict(shipped["drafter"]).to_dict()
+
+
 def test_a_drafter_started_from_target_layers_copies_them_and_trains(tmp_path, tiny_parts):
     """``target_init_layers``: the drafter's layer is the target's, its context rows start as the
     last tap under that layer's input norm, its final norm is the target's; every parameter is its
@@ -585,6 +622,9 @@ def test_a_drafter_started_from_target_layers_copies_them_and_trains(tmp_path, t
     config, target, sequences = tiny_parts
     config = dataclasses.replace(config, out_dir=str(tmp_path / "copied"), steps=2, heldout_prompts=0,
                                  target_init_layers=(1,))
+    with pytest.raises(ValueError, match="has no QK-norm: set the drafter's qk_norm=False"):
+        Trainer(config, target, sequences)
+    config = dataclasses.replace(config, drafter={**config.drafter, "qk_norm": False})
     trainer = Trainer(config, target, sequences)
     drafter = nnx.merge(trainer.graphdef, trainer.params, trainer.rest)
     layer, source = drafter.backbone.layers[0], target.module().layers[1]

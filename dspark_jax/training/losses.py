@@ -153,9 +153,9 @@ def block_losses(
         ``1 + Σ_k Π_{i≤k} c*_i·mask_i`` (``tau_probabilistic``), and the number of such blocks;
       ``greedy_prefix_num`` / ``greedy_reach_num``: ``[G]`` greedy-acceptance sums (see
         :func:`acceptance_sums`);
-      ``conf_abs_err_num`` / ``conf_bias_num`` / ``conf_cumprod_bias_num``: ``Σ mask·|σ(z)−c*|``,
-        ``Σ mask·(σ(z)−c*)``, ``Σ mask·(Πσ(z) − Πc*)`` (normalise by ``supervised``); zero when
-        there is no confidence head.
+      ``conf_abs_err_num`` / ``conf_bias_num`` / ``conf_cumprod_bias_num``: ``Σ w·|σ(z)−c*|``,
+        ``Σ w·(σ(z)−c*)``, ``Σ w·(Πσ(z) − Πc*)`` (normalise by ``conf_den``, as DeepSpec does);
+        zero when there is no confidence head.
     """
     n = draft_logits.shape[-1]
     v = cfg.vocab_size if target_lse is not None else target_logits.shape[-1]
@@ -237,10 +237,11 @@ def block_losses(
         out["conf_num"] = jnp.sum(w * bce)
         out["conf_den"] = jnp.sum(w)
         pred = jax.lax.stop_gradient(jax.nn.sigmoid(z))
-        out["conf_abs_err_num"] = jnp.sum(m * jnp.abs(pred - c_star))
-        out["conf_bias_num"] = jnp.sum(m * (pred - c_star))
+        # Weighted like the BCE, as DeepSpec logs them, so the numbers compare with its runs.
+        out["conf_abs_err_num"] = jnp.sum(w * jnp.abs(pred - c_star))
+        out["conf_bias_num"] = jnp.sum(w * (pred - c_star))
         out["conf_cumprod_bias_num"] = jnp.sum(
-            m * (jnp.cumprod(pred, axis=-1) - jnp.cumprod(c_star, axis=-1))
+            w * (jnp.cumprod(pred, axis=-1) - jnp.cumprod(c_star, axis=-1))
         )
     return out
 
@@ -319,9 +320,9 @@ def combine(parts: dict[str, jnp.ndarray], cfg: Any) -> tuple[jnp.ndarray, dict[
         "tv": terms["tv"],
         "conf": terms["conf"],
         **acceptance_metrics(parts),
-        "confidence_abs_error": _safe_div(parts["conf_abs_err_num"], sup),
-        "confidence_bias": _safe_div(parts["conf_bias_num"], sup),
-        "confidence_cumprod_bias": _safe_div(parts["conf_cumprod_bias_num"], sup),
+        "confidence_abs_error": _safe_div(parts["conf_abs_err_num"], parts["conf_den"]),
+        "confidence_bias": _safe_div(parts["conf_bias_num"], parts["conf_den"]),
+        "confidence_cumprod_bias": _safe_div(parts["conf_cumprod_bias_num"], parts["conf_den"]),
         "supervised": sup,
         "blocks": parts["blocks"],
         "ce_excluded": parts["ce_excluded"],
@@ -482,7 +483,10 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     anchor ``a``, so step k predicts exactly what slot k of a DSpark block at ``a`` predicts.
     DeepSpec scores every position; sampling them gives the same objective in expectation and
     the same supervision per step as the block drafters, at a fraction of the head's cost (the
-    ``[B, S, V]`` products dominated an EAGLE-3 step). Each step's sum is normalised by the
+    ``[B, S, V]`` products dominated an EAGLE-3 step). The positions differ a little: DeepSpec
+    supervises step k at t wherever ``t + k`` is a response token, so its chains may start in
+    the prompt and the first response token's successor is never scored; here a chain starts
+    where decoding starts one, at a response token followed by one. Each step's sum is normalised by the
     number of kept anchors, a fixed denominator across steps like the reference's ``B·S``; each
     step is rematerialised, so one step's ``[B, A, N]`` logits are alive at a time.
     """

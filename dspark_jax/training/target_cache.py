@@ -72,7 +72,7 @@ class CacheSpec:
     top_p: float = 0.8
     top_k: int = 20
     seed: int = 0
-    min_response_tokens: int = 8
+    min_response_tokens: int = 8  # answers shorter are dropped (DeepSpec: 14 loss-mask tokens)
     shard_size: int = 64
     batch_size: int = 16
     # False: token ids and loss masks only; training computes the features (module doc).

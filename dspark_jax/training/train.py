@@ -198,14 +198,17 @@ def same_legs(config: TrainConfig, drafter: dict, rename: tuple[str, str]) -> Tr
     """``config`` with another drafter, and so every leg it starts from: a baseline trained leg for
     leg on the same data and budget. ``rename = (old, new)`` rewrites names and out_dirs.
 
-    A block-drafter baseline (DFlash) takes each leg's depth from ``config``'s leg, so the two
-    compare at equal depth when a leg grows the drafter; EAGLE-3 keeps its one layer (spec §8.2).
+    A baseline takes each leg's ``qk_norm`` from ``config``'s leg, and a block-drafter baseline
+    (DFlash) its depth too, so the two compare with the same attention and at equal depth when a
+    leg grows the drafter; EAGLE-3 keeps its one layer (spec §8.2).
     """
-    leg_drafter = drafter
+    inherited = {"qk_norm": config.drafter["qk_norm"]} if "qk_norm" in config.drafter else {}
     if drafter.get("kind") != "eagle3":
-        if "num_layers" in drafter:
-            raise ValueError("a block-drafter baseline takes num_layers from each leg; do not set it")
-        leg_drafter = {**drafter, "num_layers": config.drafter.get("num_layers", 1)}
+        inherited["num_layers"] = config.drafter.get("num_layers", 1)
+    clash = sorted(set(inherited) & set(drafter))
+    if clash:
+        raise ValueError(f"a baseline takes {', '.join(clash)} from each leg; do not set it")
+    leg_drafter = {**drafter, **inherited}
     start = config.init_from
     if isinstance(start, TrainConfig):
         start = same_legs(start, drafter, rename)
@@ -332,11 +335,14 @@ def batch_completer(target, tap_layers: tuple[int, ...]):
 
 
 def schedule(config: TrainConfig) -> optax.Schedule:
-    """Linear warm-up to the peak over ``warmup_fraction`` of the steps, then cosine to 0."""
+    """DeepSpec's: with ``W`` warm-up steps (``warmup_fraction`` of the steps, at least 1), step
+    ``t < W`` runs at ``(t + 1) / W`` of the peak, then a cosine from the peak at step ``W`` to 0."""
     warmup = max(1, int(config.warmup_fraction * config.steps))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=config.learning_rate / warmup, peak_value=config.learning_rate,
-        warmup_steps=warmup, decay_steps=max(config.steps, warmup + 1), end_value=0.0,
+    peak = config.learning_rate
+    return optax.join_schedules(
+        [optax.linear_schedule(peak / warmup, peak, transition_steps=warmup - 1),
+         optax.cosine_decay_schedule(peak, decay_steps=max(config.steps - warmup, 1))],
+        boundaries=[warmup],
     )
 
 
@@ -597,6 +603,9 @@ def copy_target_layers(drafter, target, layers: tuple[int, ...]):
     bad = [i for i in layers if not 0 <= i < target.cfg.num_layers]
     if bad:
         raise ValueError(f"target_init_layers {bad} are outside the target's layers 0..{target.cfg.num_layers - 1}")
+    if cfg.backbone.qk_norm != target.cfg.qk_norm:
+        raise ValueError(f"target_init_layers copies the target's attention, which has {'' if target.cfg.qk_norm else 'no '}"
+                         f"QK-norm: set the drafter's qk_norm={target.cfg.qk_norm}")
     q_rows = cfg.backbone.num_heads * cfg.backbone.head_dim
     for layer, index in zip(drafter.backbone.layers, layers, strict=True):
         source = module.layers[index]
