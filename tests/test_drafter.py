@@ -315,9 +315,10 @@ def test_drafter_for_the_embedded_target(embedded_target):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_a_new_drafter_starts_as_deepspecs_do(kind):
-    """Every projection starts at N(0, 0.02), HF's initializer_range, and attention RMS-normalises
-    q and k per head although this target has no QK-norm: DeepSpec's draft layers are Qwen3's."""
+def test_a_new_drafter_normalises_q_and_k_whatever_its_target_does(kind):
+    """DeepSpec's draft layers are Qwen3 layers, with QK-norm, also for a target without it. Their
+    projections start at N(0, 1/fan_in), not HF's N(0, 0.02), which learned slower from scratch here
+    (``docs/TRAINING.md``, "Checked against DeepSpec's code")."""
     target = tiny_config(num_layers=4, hidden_size=128, intermediate_size=256)
     assert not target.qk_norm
     build = {"dspark": DrafterConfig.for_target, "dflash": DrafterConfig.dflash, "eagle3": DrafterConfig.eagle3}[kind]
@@ -326,8 +327,7 @@ def test_a_new_drafter_starts_as_deepspecs_do(kind):
     drafter = build_drafter(cfg, seed=0)
     attention = drafter if kind == "eagle3" else drafter.backbone.layers[0]
     assert attention.q_norm is not None and attention.k_norm is not None
-    matrices = [(jax.tree_util.keystr(path), leaf) for path, leaf in
-                jax.tree_util.tree_flatten_with_path(nnx.state(drafter, nnx.Param))[0] if leaf.ndim == 2]
-    assert len(matrices) >= 5
-    for name, weight in matrices:
-        assert 0.019 < float(jnp.std(weight)) < 0.021, name
+    out = attention.o.weight[...]
+    assert abs(float(jnp.std(out)) * out.shape[1] ** 0.5 - 1) < 0.05
+    assert not DrafterConfig.for_target(target, num_layers=1, tap_layers=(0,), mask_token_id=5,
+                                        qk_norm=False).backbone.qk_norm

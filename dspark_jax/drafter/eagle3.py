@@ -24,7 +24,6 @@ from dspark_jax.drafter.heads import DraftBlock, scatter_to_target
 from dspark_jax.drafter.model import ReducedHeadMixin, make_reduced_head
 from dspark_jax.models.kv_cache import KVCache
 from dspark_jax.models.layers import (
-    INIT_STD,
     MASK_VALUE,
     Linear,
     RMSNorm,
@@ -56,16 +55,15 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         self.cfg = cfg
         d = b.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
-        self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype, init_std=INIT_STD)
+        self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype)
         self.embed_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(d, b.rms_norm_eps, dtype)
-        self.qkv = Linear(2 * d, (b.num_heads + 2 * b.num_kv_heads) * b.head_dim, rngs=rngs, dtype=dtype,
-                          init_std=INIT_STD)
-        self.o = Linear(b.num_heads * b.head_dim, d, rngs=rngs, dtype=dtype, init_std=INIT_STD)
+        self.qkv = Linear(2 * d, (b.num_heads + 2 * b.num_kv_heads) * b.head_dim, rngs=rngs, dtype=dtype)
+        self.o = Linear(b.num_heads * b.head_dim, d, rngs=rngs, dtype=dtype)
         self.q_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
         self.k_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
         self.post_attn_norm = RMSNorm(d, b.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(d, b.intermediate_size, rngs=rngs, dtype=dtype, init_std=INIT_STD)
+        self.mlp = SwiGLU(d, b.intermediate_size, rngs=rngs, dtype=dtype)
         self.final_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         # EAGLE-3 proper drafts over a reduced vocabulary; without one, the frozen target head.
         self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)

@@ -32,8 +32,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig
-from dspark_jax.models.layers import INIT_STD, Linear, project
+from dspark_jax.models.layers import Linear, project
 from dspark_jax.sampling import SamplingParams, probabilities, sample
+
+INIT_STD = 0.02  # HF initializer_range (Qwen3, Llama)
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype) -> jax.Array:

@@ -39,10 +39,6 @@ def project(x: jax.Array, weight_NxK: jax.Array) -> jax.Array:
     return jnp.einsum("...k,nk->...n", x, weight_NxK)
 
 
-# HF's initializer_range (Llama, Qwen3): DeepSpec's drafters start every projection at N(0, 0.02).
-INIT_STD = 0.02
-
-
 class Linear(nnx.Module):
     """A bias-free projection with ``[out, in]`` weights."""
 
@@ -198,10 +194,9 @@ class Attention(nnx.Module):
 class SwiGLU(nnx.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 init_std: float | None = None):
-        self.gate_up = Linear(hidden_size, 2 * intermediate_size, rngs=rngs, dtype=dtype, init_std=init_std)
-        self.down = Linear(intermediate_size, hidden_size, rngs=rngs, dtype=dtype, init_std=init_std)
+    def __init__(self, hidden_size: int, intermediate_size: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, rngs=rngs, dtype=dtype)
+        self.down = Linear(intermediate_size, hidden_size, rngs=rngs, dtype=dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
