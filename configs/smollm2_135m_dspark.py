@@ -17,8 +17,8 @@ Seed 1 is kept for the held-out set. Sequences are at most 256 + 160 tokens, and
 keeps 99.98% of the response tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), no
-QK-norm in its attention (these legs predate it; DeepSpec's draft layers have it, and new configs
-get it by default), 5 tapped layers (1, 8, 15, 22, 28: every seventh from layer 1, then the
+QK-norm in its attention (the target has none; DeepSpec's Qwen3 drafters have it, as their target
+does), 5 tapped layers (1, 8, 15, 22, 28: every seventh from layer 1, then the
 second-to-last; DeepSpec spaces five evenly from layer 1 to three before the last, which would be
 1, 8, 14, 20, 27 here), mask token 0 (``<|endoftext|>``: SmolLM2 has no unused embedding row like
 the one DeepSpec picks in Qwen3's, and chat answers never contain this token), γ = 7, a 4096-token reduced head (its size decides the sequential
@@ -54,9 +54,8 @@ FIRST_LEG = TrainConfig(
     num_prompts=640,
     cache=CacheSpec(tap_layers=(1, 8, 15, 22, 28), max_new_tokens=160, max_prompt_tokens=256,
                     temperature=0.7, top_p=0.8, top_k=20, shard_size=64, batch_size=16),
-    # qk_norm=False: these legs were trained before drafters had DeepSpec's QK-norm on a Llama target.
     drafter=dict(kind="dspark", num_layers=1, mask_token_id=0, block_size=7, markov_rank=64,
-                 draft_vocab_size=4096, qk_norm=False),
+                 draft_vocab_size=4096),
     steps=500,
     batch_size=8,
     seq_len=352,

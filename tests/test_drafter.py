@@ -315,19 +315,19 @@ def test_drafter_for_the_embedded_target(embedded_target):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
-def test_a_new_drafter_normalises_q_and_k_whatever_its_target_does(kind):
-    """DeepSpec's draft layers are Qwen3 layers, with QK-norm, also for a target without it. Their
-    projections start at N(0, 1/fan_in), not HF's N(0, 0.02), which learned slower from scratch here
-    (``docs/TRAINING.md``, "Checked against DeepSpec's code")."""
-    target = tiny_config(num_layers=4, hidden_size=128, intermediate_size=256)
-    assert not target.qk_norm
+def test_a_drafter_normalises_q_and_k_as_its_target_does_unless_told(kind):
+    """QK-norm follows the target (DeepSpec's drafters are Qwen3 layers, like their targets), and
+    ``qk_norm=True`` adds it for a target without. Projections start at N(0, 1/fan_in), not HF's
+    N(0, 0.02), which learned slower from scratch here (``docs/TRAINING.md``)."""
     build = {"dspark": DrafterConfig.for_target, "dflash": DrafterConfig.dflash, "eagle3": DrafterConfig.eagle3}[kind]
     layers = {} if kind == "eagle3" else {"num_layers": 1}
-    cfg = build(target, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA, **layers)
-    drafter = build_drafter(cfg, seed=0)
-    attention = drafter if kind == "eagle3" else drafter.backbone.layers[0]
-    assert attention.q_norm is not None and attention.k_norm is not None
+    for target_norms, asked, expected in ((False, None, False), (True, None, True), (False, True, True)):
+        target = tiny_config(num_layers=4, hidden_size=128, intermediate_size=256, qk_norm=target_norms)
+        extra = {} if asked is None else {"qk_norm": asked}
+        cfg = build(target, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA, **layers, **extra)
+        drafter = build_drafter(cfg, seed=0)
+        attention = drafter if kind == "eagle3" else drafter.backbone.layers[0]
+        assert cfg.backbone.qk_norm is expected
+        assert (attention.q_norm is not None, attention.k_norm is not None) == (expected, expected)
     out = attention.o.weight[...]
     assert abs(float(jnp.std(out)) * out.shape[1] ** 0.5 - 1) < 0.05
-    assert not DrafterConfig.for_target(target, num_layers=1, tap_layers=(0,), mask_token_id=5,
-                                        qk_norm=False).backbone.qk_norm

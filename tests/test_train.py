@@ -593,16 +593,16 @@ def test_the_learning_rate_schedule_is_deepspecs(tiny_parts, steps, warmup):
 
 def test_a_baseline_follows_each_legs_qk_norm(tiny_parts):
     config, target, _ = tiny_parts
-    plain = dataclasses.replace(config, drafter={**config.drafter, "qk_norm": False})
+    normed = dataclasses.replace(config, drafter={**config.drafter, "qk_norm": True})
     for kind in ("dflash", "eagle3"):
-        baseline = same_legs(next_leg(plain, "tiny_second"), dict(kind=kind, mask_token_id=0, block_size=4),
+        baseline = same_legs(next_leg(normed, "tiny_second"), dict(kind=kind, mask_token_id=0, block_size=4),
                              ("tiny", "base"))
-        assert [leg.drafter["qk_norm"] for leg in baseline.legs] == [False, False]
-        assert drafter_config(baseline, target.cfg).backbone.qk_norm is False
+        assert [leg.drafter["qk_norm"] for leg in baseline.legs] == [True, True]
+        assert drafter_config(baseline, target.cfg).backbone.qk_norm is True
         with pytest.raises(ValueError, match="takes qk_norm"):
-            same_legs(plain, dict(kind=kind, mask_token_id=0, block_size=4, qk_norm=True), ("tiny", "base"))
-    # Left unset, every drafter has DeepSpec's QK-norm, whatever the target has.
-    assert not target.cfg.qk_norm and drafter_config(config, target.cfg).backbone.qk_norm
+            same_legs(normed, dict(kind=kind, mask_token_id=0, block_size=4, qk_norm=False), ("tiny", "base"))
+    # Left unset, a drafter has QK-norm where its target has (this one has none).
+    assert not target.cfg.qk_norm and not drafter_config(config, target.cfg).backbone.qk_norm
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
@@ -623,8 +623,7 @@ def test_a_drafter_started_from_target_layers_copies_them_and_trains(tmp_path, t
     config = dataclasses.replace(config, out_dir=str(tmp_path / "copied"), steps=2, heldout_prompts=0,
                                  target_init_layers=(1,))
     with pytest.raises(ValueError, match="has no QK-norm: set the drafter's qk_norm=False"):
-        Trainer(config, target, sequences)
-    config = dataclasses.replace(config, drafter={**config.drafter, "qk_norm": False})
+        Trainer(dataclasses.replace(config, drafter={**config.drafter, "qk_norm": True}), target, sequences)
     trainer = Trainer(config, target, sequences)
     drafter = nnx.merge(trainer.graphdef, trainer.params, trainer.rest)
     layer, source = drafter.backbone.layers[0], target.module().layers[1]
