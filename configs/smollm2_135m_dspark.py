@@ -17,12 +17,12 @@ Seed 1 is kept for the held-out set. Sequences are at most 256 + 160 tokens, and
 keeps 99.98% of the response tokens while sparing the padding that 512 cost every step.
 Drafter: 2 layers since the sixth leg (1 before; not DeepSpec's 5: on 2 CPU cores every drafter
 layer adds to each round's time, and a third would take the shipped file past 30 MB), no
-QK-norm in its attention (the target has none; DeepSpec's Qwen3 drafters have it, as their target
-does), 5 tapped layers (1, 8, 15, 22, 28: every seventh from layer 1, then the
+QK-norm in its attention (the target has none; DeepSpec's drafters have it, as their Qwen3 and
+Gemma 4 targets do), 5 tapped layers (1, 8, 15, 22, 28: every seventh from layer 1, then the
 second-to-last; DeepSpec spaces five evenly from layer 1 to three before the last, which would be
 1, 8, 14, 20, 27 here), mask token 0 (``<|endoftext|>``: SmolLM2 has no unused embedding row like
-the one DeepSpec picks in Qwen3's, and chat answers never contain this token), γ = 7, a 4096-token reduced head (its size decides the sequential
-head's per-token cost on CPU), confidence head, vanilla Markov head of rank 64 until the eighth
+the one DeepSpec picks in Qwen3's, and chat answers never contain this token), γ = 7, a
+4096-token reduced head (its size decides the sequential head's per-token cost on CPU), confidence head, vanilla Markov head of rank 64 until the eighth
 leg widens it to the paper's 256 (``Drafter.widened_markov``) with ``W1`` rows for the draft
 vocabulary plus one shared row (``markov_w1_rows="draft"``): rank 256 over all 49,152 target ids
 would be 25 MB on its own.

@@ -270,8 +270,8 @@ class DrafterConfig:
     def for_target(cls, target: TargetConfig, *, num_layers: int, tap_layers, mask_token_id: int,
                    qk_norm: bool | None = None, **kw):
         """A drafter whose layers copy the target's dimensions (DeepSpec's deep copy + overrides).
-        Its attention RMS-normalises q and k per head where the target's does (Qwen3, the only
-        family DeepSpec drafts for); ``qk_norm=True`` adds the norms for a target without them,
+        Its attention RMS-normalises q and k per head where the target's does (as DeepSpec's do,
+        for Qwen3 and Gemma 4 targets); ``qk_norm=True`` adds the norms for a target without them,
         which on SmolLM2 trained no better (``docs/TRAINING.md``, "Checked against DeepSpec's code")."""
         qk_norm = target.qk_norm if qk_norm is None else qk_norm
         backbone = dataclasses.replace(target, num_layers=num_layers, qk_norm=qk_norm)

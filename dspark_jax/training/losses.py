@@ -486,9 +486,10 @@ def eagle3_loss(drafter, embed_VxD, lm_head_VxD, batch: TrainBatch):
     ``[B, S, V]`` products dominated an EAGLE-3 step). The positions differ a little: DeepSpec
     supervises step k at t wherever ``t + k`` is a response token, so its chains may start in
     the prompt and the first response token's successor is never scored; here a chain starts
-    where decoding starts one, at a response token followed by one. Each step's sum is normalised by the
-    number of kept anchors, a fixed denominator across steps like the reference's ``B·S``; each
-    step is rematerialised, so one step's ``[B, A, N]`` logits are alive at a time.
+    where decoding starts one, at a response token followed by one. Each step's sum is
+    normalised by the number of kept anchors, a fixed denominator across steps like the
+    reference's ``B·S``; each step is rematerialised, so one step's ``[B, A, N]`` logits are
+    alive at a time.
     """
     cfg = drafter.cfg
     seq = batch.input_ids_BxS.shape[1]
