@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -499,6 +500,31 @@ def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):
     uninterrupted = dataclasses.replace(config, out_dir=str(tmp_path / "straight"))
     train(uninterrupted, target, sequences, progress=False)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+def test_a_run_resumes_only_with_the_settings_it_was_started_with(tmp_path, tiny_parts, capsys):
+    """Rerun with another learning rate, a killed run would go on as a hybrid of two runs, and with
+    another drafter it would fail deep in orbax: both are refused, naming what changed, before
+    anything is written. Where things go and what is logged may change, and more steps train on,
+    saying so."""
+    config, target, sequences = tiny_parts
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "run"), steps=6, checkpoint_every=2)
+    assert train(config, target, sequences, stop_after=4, progress=False) is None
+    for change, said in ((dict(learning_rate=1e-2), "learning_rate: 0.003 then, 0.01 now"),
+                         (dict(drafter={**config.drafter, "markov_rank": 8}), "drafter.markov_rank: 16 then, 8 now")):
+        with pytest.raises(ValueError, match=re.escape(f"was started with other settings ({said})")):
+            train(dataclasses.replace(config, **change), target, sequences, progress=False)
+    assert len(losses(config.out_dir)) == 4
+    capsys.readouterr()
+    train(dataclasses.replace(config, name="renamed", checkpoint_every=3, heldout_every=2, steps=7), target,
+          sequences, progress=False)
+    assert len(losses(config.out_dir)) == 7
+    assert "renamed resumes at step 4 of 7, not of the 6 it started with" in capsys.readouterr().err
+    # Before its first checkpoint a run has nothing to resume, so its settings may still change.
+    fresh = dataclasses.replace(config, out_dir=str(tmp_path / "fresh"), steps=3)
+    Trainer(fresh, target, sequences)
+    train(dataclasses.replace(fresh, learning_rate=1e-2), target, sequences, progress=False)
+    assert json.loads((tmp_path / "fresh" / "run.json").read_text())["learning_rate"] == 1e-2
 
 
 def test_batches_are_a_function_of_the_step(tiny_parts):

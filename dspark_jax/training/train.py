@@ -25,7 +25,8 @@ already exported), so one command reproduces a multi-leg run.
 
 Resume is exact: the data order and the anchors of step ``t`` are functions of ``(seed, t)``
 alone, and the checkpoint holds parameters and optimizer state, so a killed run continues with
-the same loss curve as an uninterrupted one. ``log.jsonl`` gets one line per step (every loss
+the same loss curve as an uninterrupted one; ``run.json`` records the settings, and a resume with
+settings that change what a step computes is refused (``claim_run_dir``). ``log.jsonl`` gets one line per step (every loss
 term, the analytic acceptance estimate, learning rate, gradient norm), and with
 ``heldout_prompts`` the τ and loss on the target's answers to fresh prompts (``heldout_mix``) every
 ``heldout_every`` steps: the curve that says when more steps on this data stop paying.
@@ -37,6 +38,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -224,6 +226,10 @@ def load_config(path) -> TrainConfig:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no config file {path}")
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory, not a config file")
+    if path.suffix != ".py":  # importlib finds no loader for other suffixes
+        raise ValueError(f"{path} is not a Python config file (configs/NAME.py)")
     spec = importlib.util.spec_from_file_location(f"dspark_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -231,6 +237,51 @@ def load_config(path) -> TrainConfig:
     if not isinstance(config, TrainConfig):
         raise ValueError(f"{path} must define CONFIG = TrainConfig(...)")
     return config
+
+
+RUN_FILE = "run.json"
+# What a resumed run may change: its name, where things go, how often it saves, what it scores
+# beside the steps, how many devices share a batch, and its step count (a finished run given more
+# steps trains on; ``train_together`` says so, as it alone knows a budget's steps). Any other
+# setting changes what a step computes, so a run resumed with it would go on as a hybrid of two runs.
+RESUMABLE_FIELDS = frozenset({"name", "out_dir", "steps", "checkpoint_every", "data_parallel", "storage_dtype",
+                              "cache_dir", "heldout_cache_dir", "heldout_prompts", "heldout_seed", "heldout_mix",
+                              "heldout_every"})
+
+
+def run_settings(config: TrainConfig) -> dict:
+    """The settings that fix what the run's steps compute, as JSON values."""
+    settings = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in RESUMABLE_FIELDS}
+    settings["init_from"] = None if config.init_dir is None else str(config.init_dir.resolve())
+    return json.loads(json.dumps(settings, default=lambda v: dataclasses.asdict(v) if dataclasses.is_dataclass(v)
+                                 else str(v)))
+
+
+def claim_run_dir(out: Path, settings: dict, *, resuming: bool) -> dict:
+    """Record ``settings`` in ``out/run.json`` and return what it held before. A run that resumes
+    from a checkpoint there must have the recorded ones; one with no checkpoint yet (or from before
+    the record) records its own."""
+    path = out / RUN_FILE
+    recorded = json.loads(path.read_text()) if path.exists() else {}
+    changed = [line for k, v in settings.items() if k in recorded for line in _differences(k, recorded[k], v)]
+    if changed and resuming:
+        said = "; ".join(changed)
+        raise ValueError(f"the run in {out} was started with other settings ({said}): rerun it as it was started, "
+                         "or give this run a fresh out_dir (init_from=<that run's drafter> starts where it got to)")
+    merged = {**recorded, **settings}
+    if merged != recorded and multihost.is_lead():
+        out.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")  # a kill mid-write leaves the old record whole
+        partial.write_text(json.dumps(merged, indent=1) + "\n")
+        os.replace(partial, path)
+    return recorded
+
+
+def _differences(name: str, then, now) -> list[str]:
+    """``"name: then-value then, now-value now"`` for each leaf where two JSON values differ."""
+    if isinstance(then, dict) and isinstance(now, dict):
+        return [line for k in {**then, **now} for line in _differences(f"{name}.{k}", then.get(k), now.get(k))]
+    return [] if then == now else [f"{name}: {json.dumps(then)} then, {json.dumps(now)} now"]
 
 
 def drafter_config(config: TrainConfig, target: TargetConfig) -> DrafterConfig:
@@ -676,6 +727,7 @@ class Trainer:
             options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=config.checkpoint_every, create=True),
         )
         self.start = self.manager.latest_step() or 0
+        claim_run_dir(self.out, run_settings(config), resuming=self.start > 0)
         if self.start:
             restored = self.manager.restore(
                 self.start, args=ocp.args.StandardRestore({"params": self.params, "opt_state": self.opt_state}))
@@ -746,6 +798,11 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
     total = configs[0].steps
     if any(c.steps != total for c in configs):
         raise ValueError("trainers trained together need the same number of steps")
+    for trainer, config in zip(trainers, configs):
+        started_for = claim_run_dir(trainer.out, {"steps": config.steps}, resuming=False).get("steps", total)
+        if trainer.start and started_for != total and multihost.is_lead():
+            print(f"note: {config.name} resumes at step {trainer.start} of {total}, not of the {started_for} it "
+                  f"started with: its learning rate follows the {total}-step schedule from here", file=sys.stderr)
     schedules, bars, logs = [], [], []
     for trainer, config in zip(trainers, configs):
         log_path = trainer.out / LOG_FILE
