@@ -68,7 +68,8 @@ def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, 
     Anything wrong (unknown name, not trained/shipped yet, not a checkpoint, does not fit the
     target) exits with one line. A threshold or scheduler policy on a drafter without a
     confidence head is an error, or with ``fallback`` runs ``fixed:γ`` and says so in ``note``.
-    A scheduler policy gets the drafter's calibrations (noted when none serves ``sampling``).
+    A scheduler policy gets the drafter's calibrations (noted when none serves ``sampling``: one
+    setting, or a batch job's requests' list).
     """
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.compare import load_drafter_spec, policy_for
@@ -211,7 +212,8 @@ def cmd_batch(args) -> int:
     if args.drafter is not None:
         from dspark_jax.eval.compare import make_decoder
 
-        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
+        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy,
+                                                        sampling=[r.sampling for r in requests])
         if note:
             print(f"note: {note}", file=sys.stderr)
         if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
@@ -647,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()  # a second run loads its programs instead of compiling them again
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:  # bad input: a clear message, not a traceback
+    except (ValueError, OSError) as error:  # bad input or a path the system refuses: one line, not a traceback
         print(f"dspark {args.command}: error: {error}", file=sys.stderr)
         return 2
 

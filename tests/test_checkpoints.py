@@ -156,6 +156,25 @@ def test_a_gguf_with_llama31_rope_factors_is_refused_by_name(tmp_path):
         config_from_gguf(gguf.GGUFReader(str(tmp_path / "llama31.gguf")))
 
 
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match=f"{garbage} is not a GGUF file"):
+        load_gguf(garbage, cache=False)
+
+
+def test_the_embedded_target_can_skip_the_converted_copy(monkeypatch):
+    from dspark_jax.checkpoints import gguf
+
+    asked = []
+    monkeypatch.setattr(gguf, "load_gguf", lambda path, dtype, *, cache: asked.append(cache))
+    gguf.load_embedded_target(cache=False)
+    gguf.load_embedded_target()
+    assert asked == [False, True]
+
+
 def test_more_tokens_than_the_cache_holds_is_an_error():
     target = tiny_target()
     tokens = jnp.zeros((1, 10), jnp.int32)

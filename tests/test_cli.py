@@ -150,6 +150,34 @@ def test_missing_train_config_is_a_one_line_error(capsys):
     assert capsys.readouterr().err == "dspark train: error: no config file no/such/config.py\n"
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("", None, "is a directory, not a config file"),
+        ("notes.md", "# notes\n", "is not a Python config file (configs/NAME.py)"),
+        ("no_config.py", "X = 1\n", "must define CONFIG = TrainConfig(...)"),
+    ],
+)
+def test_a_train_config_that_is_not_one_is_a_one_line_error(tmp_path, name, text, message, capsys):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"dspark train: error: {path} {message}\n"
+
+
+def test_a_path_the_system_refuses_is_a_one_line_error(tmp_path, capsys, shared_target):
+    """An OSError from a path the user gave (here an output below a regular file) is reported in
+    one line, like any other bad input, not as a traceback."""
+    inputs = tmp_path / "requests.jsonl"
+    inputs.write_text('{"prompt": "Hi"}\n')
+    (tmp_path / "a_file").write_text("")
+    assert main(["batch", "--input", str(inputs), "--output", str(tmp_path / "a_file" / "out.jsonl"),
+                 "--max-new-tokens", "2", "--no-progress"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("dspark batch: error: ") and "a_file" in last, last
+
+
 def test_threshold_policy_needs_a_confidence_head():
     from dspark_jax.config import DrafterConfig
     from dspark_jax.decoding.speculative import FixedPolicy, ThresholdPolicy
@@ -182,6 +210,10 @@ def test_scheduler_policy_gets_the_drafters_calibrations(tmp_path):
     t07 = SamplingConfig(temperature=0.7, top_k=20, top_p=0.8)
     policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=t07)
     assert policy == expected and "no calibration for T=0.7 top-k 20 top-p 0.8 decoding" in note
+    # A batch job's requests each bring their own sampling: the note names those left unserved.
+    policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=[SamplingConfig(), t07, t07])
+    assert note.startswith("no calibration for T=0.7 top-k 20 top-p 0.8 decoding") and "those requests" in note
+    assert policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=[SamplingConfig()] * 2)[1] is None
     save_calibration(tmp_path, {"temperatures": [1.0] * 7, "biases": [0.0] * 7}, SamplingConfig(temperature=1.0))
     policy, note = policy_for(dspark, SchedulerPolicy(), directory=tmp_path, sampling=t07)
     assert len(policy.calibrations) == 2 and note is None

@@ -240,6 +240,8 @@ def test_policy_errors_name_the_problem(tmp_path):
         prefix_lengths(jnp.ones((1, 7)), jnp.ones((1,), bool), (1, 4), (1.0, 2.0))
     with pytest.raises(FileNotFoundError, match="dspark profile"):
         parse_policy(f"scheduler:{tmp_path / 'missing.json'}")
+    with pytest.raises(ValueError, match="is a directory"):
+        parse_policy(f"scheduler:{tmp_path}")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not a dspark-jax-cost-table"):

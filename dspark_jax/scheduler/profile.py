@@ -115,6 +115,8 @@ def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
 def load_cost_tables(path) -> dict[int, dict[int, float]]:
     """``{batch: {width: seconds}}`` from a file ``save_cost_tables`` wrote; clear errors otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"cost table {path} is a directory (give the JSON file `dspark profile --out` wrote)")
     if not path.is_file():
         raise FileNotFoundError(f"cost table {path} does not exist (write one with `dspark profile --out {path}`)")
     try:
