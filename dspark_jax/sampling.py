@@ -144,12 +144,26 @@ def sample(logits_BxV: jax.Array, params: SamplingParams, keys_B: jax.Array) -> 
     return jax.lax.cond(any_sampled(params), mixed, lambda: greedy)
 
 
+def seed_fits(seed: int) -> bool:
+    """Whether an integer seed is one ``request_keys`` takes: a signed 64-bit integer."""
+    return -(2**63) <= seed < 2**63
+
+
 def request_keys(seeds: Sequence[int]) -> jax.Array:
-    """One PRNG key per request from integer seeds (raw uint32 key data, vmappable): row i is
-    ``jax.random.PRNGKey(seeds[i])``, made in one vmapped call (a key per call took seconds of
-    dispatch for thousands of requests)."""
-    try:
-        seeds_np = np.asarray(list(seeds), dtype=np.int64)
-    except OverflowError:
-        raise ValueError(f"seeds must fit in a signed 64-bit integer, got {list(seeds)}") from None
-    return jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds_np))
+    """One PRNG key per request from signed 64-bit seeds (raw uint32 key data [len(seeds), 2],
+    vmappable), each seed its own stream: ``jax.random.PRNGKey`` of the seed's low 32 bits, with
+    the high 32 bits folded in where they are not zero. Seeds in [0, 2**32) so get exactly
+    ``PRNGKey(seed)``; ``PRNGKey`` alone (JAX without x64) would truncate the rest to their low
+    bits, giving 2**32 the key of 0. Made in vmapped calls (a key per call took seconds of dispatch
+    for thousands of requests)."""
+    seeds = list(seeds)
+    out_of_range = [seed for seed in seeds if not seed_fits(seed)]
+    if out_of_range:
+        raise ValueError(f"seeds must fit in a signed 64-bit integer, got {out_of_range}")
+    seeds_np = np.asarray(seeds, dtype=np.int64)
+    low, high = seeds_np.astype(np.uint32), (seeds_np >> 32).astype(np.uint32)
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.asarray(low))
+    if not high.any():  # the usual seeds: no fold to dispatch (nor to compile for each batch size)
+        return keys
+    folded = jax.vmap(jax.random.fold_in)(keys, jnp.asarray(high))
+    return jnp.where(jnp.asarray(high != 0)[:, None], folded, keys)

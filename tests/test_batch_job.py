@@ -2,10 +2,13 @@
 device, split over eight, or shared by two processes."""
 
 import json
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from dspark_jax import multihost
 from dspark_jax.cli import main
 from dspark_jax.decoding.batch_job import BatchJob, read_requests
 from tests.multidevice import run_on_eight_devices, run_processes
@@ -32,7 +35,8 @@ def batch(inputs: Path, output: Path, *extra: str) -> None:
 
 
 def records(output: Path) -> list[dict]:
-    return [json.loads(line) for line in output.read_text().splitlines()]
+    # Only "\n" ends a line: str.splitlines would also split on the U+2028 a JSON string may hold.
+    return [json.loads(line) for line in output.read_text(encoding="utf-8").split("\n")[:-1]]
 
 
 def cut_after(output: Path, whole_lines: int, extra_bytes: int) -> None:
@@ -104,8 +108,19 @@ def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_o
     ('{"messages": [{"role": "user"}]}', "'messages' must be a non-empty list"),
     ('{"turns": "hello"}', "'turns' must be a non-empty list of strings"),
     ('{"prompt": "a", "temperature": -1}', "temperature must be 0 (greedy) or a finite number >= 1e-05"),
-    ('{"prompt": "a", "top_k": 1.5}', "top_k must be an int in [0, 2**31)"),
+    ('{"prompt": "a", "top_k": 2147483648}', "top_k must be an int in [0, 2**31)"),
+    ('{"prompt": "a", "temperature": true}', "'temperature' must be a number, got true"),
+    ('{"prompt": "a", "temperature": "0.5"}', '\'temperature\' must be a number, got "0.5"'),
+    ('{"prompt": "a", "temperature": 1' + "0" * 400 + '}', "'temperature' is out of range, got 1000"),
+    ('{"prompt": "a", "seed": 1' + "0" * 5000 + '}', "not JSON (Exceeds the limit (4300 digits)"),
+    ('{"prompt": "a", "top_p": null}', "'top_p' must be a number, got null"),
+    ('{"prompt": "a", "top_p": "0.5"}', '\'top_p\' must be a number, got "0.5"'),
+    ('{"prompt": "a", "top_k": "20"}', '\'top_k\' must be an integer, got "20"'),
+    ('{"prompt": "a", "top_k": 1.5}', "'top_k' must be an integer, got 1.5"),
+    ('{"prompt": "a", "top_k": false}', "'top_k' must be an integer, got false"),
     ('{"prompt": "a", "seed": "x"}', "'seed' must be an integer"),
+    ('{"prompt": "a", "seed": 18446744073709551616}', "'seed' must fit in a signed 64-bit integer"),
+    ('{"prompt": "a", "seed": -9223372036854775809}', "'seed' must fit in a signed 64-bit integer"),
     ('{"prompt": "a", "id": [1]}', "'id' must be a string or an integer"),
     ('["a"]', "expected a JSON object, got list"),
     ("{prompt: a}", "not JSON"),
@@ -116,6 +131,30 @@ def test_a_bad_request_line_is_named(line, message, tmp_path, embedded_target):
     with pytest.raises(ValueError) as error:
         read_requests(path, embedded_target[1])
     assert f"{path}:2: " in str(error.value) and message in str(error.value)
+
+
+def test_only_newlines_end_request_lines(tmp_path, embedded_target):
+    """JSON strings may hold U+2028, U+2029 and U+0085 raw; CRLF files and blank lines still work."""
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes('{"prompt": "one\u2028two\u0085three", "metadata": "a\u2029b"}\r\n\n{"prompt": "b"}'
+                     .encode())
+    got = read_requests(path, embedded_target[1])
+    assert [r.metadata for r in got] == ["a\u2029b", None]
+    assert got[0].ids == embedded_target[1].encode("one\u2028two\u0085three")
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path, embedded_target):
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"^{path}:2: not UTF-8 \('utf-8' codec can't decode byte 0xe9"):
+        read_requests(path, embedded_target[1])
+
+
+def test_a_derived_seed_out_of_range_is_named(tmp_path, embedded_target):
+    path = write_requests(tmp_path / "r.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    assert [r.seed for r in read_requests(path, embedded_target[1], seed=2**63 - 2)] == [2**63 - 2, 2**63 - 1]
+    with pytest.raises(ValueError, match=rf"^{path}:2: .*must fit in a signed 64-bit integer"):
+        read_requests(path, embedded_target[1], seed=2**63 - 1)
 
 
 def test_repeated_ids_and_empty_files_are_refused(tmp_path, embedded_target):
@@ -165,6 +204,102 @@ def test_jobs_refuse_to_mix_settings_inputs_or_other_files(tmp_path, capsys, sha
 def test_a_batch_size_below_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         BatchJob(write_requests(tmp_path / "r.jsonl"), tmp_path / "o.jsonl", {"batch_size": 0})
+
+
+class EchoRunner:
+    """A stand-in for the decoders, for what a job does around them: each request's completion is
+    its prompt's first tokens. ``during(position)`` runs before each request finishes."""
+
+    rows = SimpleNamespace(check_batch=lambda batch_size: None)
+
+    def __init__(self, during=lambda position: None):
+        self.during = during
+
+    def cache_len_for(self, prompt_lens, max_new_tokens):
+        return max(prompt_lens) + max_new_tokens
+
+    def generate(self, prompts, *, max_new_tokens, on_finish, **unused):
+        for position, ids in enumerate(prompts):
+            self.during(position)
+            on_finish(position, ids[:max_new_tokens], "length")
+
+
+# Raw in the output (json.dumps(..., ensure_ascii=False)), where str.splitlines would split lines.
+ODD_BREAKS = "line\u2028separator, paragraph\u2029separator, next\u0085line"
+ODD_REQUESTS = [{"prompt": f"Request {i}: {ODD_BREAKS}", "metadata": {"note": ODD_BREAKS, "i": i}} for i in range(5)]
+
+
+def echo_run(job: BatchJob, requests, tokenizer, runner=None) -> dict:
+    return job.run(requests, runner=runner or EchoRunner(), decode=tokenizer.decode, max_new_tokens=64,
+                   stop_ids=[], progress=False)
+
+
+def test_a_job_whose_lines_hold_unicode_line_breaks_resumes(tmp_path, embedded_target):
+    tokenizer = embedded_target[1]
+    inputs, output = write_requests(tmp_path / "requests.jsonl", ODD_REQUESTS), tmp_path / "out.jsonl"
+    requests = read_requests(inputs, tokenizer)
+    echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer)
+    full = output.read_bytes()
+    assert "\u2028".encode() in full and [r["metadata"]["note"] for r in records(output)] == [ODD_BREAKS] * 5
+    cut_after(output, 2, 25)
+    assert echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer)["resumed"] == 2
+    assert output.read_bytes() == full
+
+
+def test_parts_whose_lines_hold_unicode_line_breaks_merge(tmp_path, embedded_target):
+    tokenizer = embedded_target[1]
+    inputs = write_requests(tmp_path / "requests.jsonl", ODD_REQUESTS)
+    requests = read_requests(inputs, tokenizer)
+    echo_run(BatchJob(inputs, tmp_path / "one.jsonl", {"batch_size": 2}), requests, tokenizer)
+    job = BatchJob(inputs, tmp_path / "two.jsonl", {"batch_size": 2})
+    for process in range(2):
+        echo_run(job.part(process, 2), multihost.share(requests, process, 2), tokenizer)
+    job.merge(requests, 2)
+    assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
+
+
+def test_a_second_run_on_an_output_being_written_is_refused(tmp_path, embedded_target):
+    """Two copies of one job would both append to the output: the second is refused while the
+    first runs, and the lock goes with the run (a run that dies resumes)."""
+    tokenizer = embedded_target[1]
+    inputs = write_requests(tmp_path / "requests.jsonl", [{"prompt": f"Request {i}"} for i in range(5)])
+    output = tmp_path / "out.jsonl"
+    requests = read_requests(inputs, tokenizer)
+    refusals = []
+
+    def second_copy(position):
+        if position == 2:
+            with pytest.raises(ValueError) as error:
+                echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer)
+            refusals.append(str(error.value))
+            with pytest.raises(ValueError, match="is being written by another running job"):
+                BatchJob(inputs, output, {"batch_size": 2}).merge(requests, 2)
+
+    echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer, EchoRunner(second_copy))
+    assert refusals == [f"{output} is being written by another running job (pid {os.getpid()}); "
+                        "wait for it to finish, or stop it and run this one again to resume it"]
+    full = output.read_bytes()
+    assert [r["index"] for r in records(output)] == [0, 1, 2, 3, 4]
+
+    def killed(position):
+        if position == 3:
+            raise KeyboardInterrupt
+
+    output.unlink()
+    (tmp_path / "out.jsonl.job.json").unlink()
+    with pytest.raises(KeyboardInterrupt):
+        echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer, EchoRunner(killed))
+    assert echo_run(BatchJob(inputs, output, {"batch_size": 2}), requests, tokenizer)["resumed"] == 3
+    assert output.read_bytes() == full
+
+    # A copy opened before the first run started it does not start it again once it is done.
+    output.unlink()
+    (tmp_path / "out.jsonl.job.json").unlink()
+    first, late = BatchJob(inputs, output, {"batch_size": 2}), BatchJob(inputs, output, {"batch_size": 2})
+    echo_run(first, requests, tokenizer)
+    with pytest.raises(ValueError, match="was started by another job since this one was opened; run this one again"):
+        echo_run(late, requests, tokenizer)
+    assert output.read_bytes() == full
 
 
 EIGHT_DEVICE_BATCH = """

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding.speculative import SpeculativeResult
-from dspark_jax.eval.compare import Run, macro, summarize, tau_ratio_interval
+from dspark_jax.eval.compare import Run, macro, read_prompts_jsonl, summarize, tau_ratio_interval
 
 
 def result(accepted_per_round, stop_after: int | None = None) -> SpeculativeResult:
@@ -101,3 +101,13 @@ def test_a_round_that_stops_on_an_accepted_draft_counts_its_drafts_up_to_the_sto
     assert a["acceptance_rate"] == b["acceptance_rate"] == 8 / 14
     assert tau_ratio_interval(domain, "a", "b") == [0.6, 0.6]
     assert tau_ratio_interval(domain, "a", "b", drafts_only=True) == [0.5, 0.5]  # (3 + 1) / 2 against (3 + 5) / 2
+
+
+def test_a_prompt_file_splits_only_on_newlines_and_names_a_line_that_is_not_utf8(tmp_path):
+    """A turn may hold U+2028 or U+0085 raw (valid JSON that ``str.splitlines`` would cut)."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes('{"turns": ["one\u2028two"]}\r\n\n{"turns": ["three\u0085four"]}\n'.encode())
+    assert read_prompts_jsonl(path) == ["one\u2028two", "three\u0085four"]
+    path.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
+    with pytest.raises(ValueError, match=f"{path}:2: not UTF-8"):
+        read_prompts_jsonl(path)

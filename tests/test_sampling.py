@@ -152,13 +152,28 @@ def test_samples_follow_the_distribution():
     assert chi2 < 20.5, (chi2, counts, probs)
 
 
-def test_request_keys_are_the_seeds_prng_keys():
-    seeds = [0, 5, 2**31 - 1, 2**31, 2**32 + 7, -1, -(2**63), 2**63 - 1, 123456789012]
+def test_request_keys_below_2_32_are_the_seeds_prng_keys():
+    """Golden outputs (and every run so far) were drawn with these keys."""
+    seeds = [0, 5, 2**31 - 1, 2**31, 2**32 - 1]
     expected = np.stack([np.asarray(jax.random.PRNGKey(s)) for s in seeds])
     np.testing.assert_array_equal(np.asarray(request_keys(seeds)), expected)
     assert request_keys([]).shape == (0, 2)
-    with pytest.raises(ValueError, match="64-bit"):
-        request_keys([2**64])
+
+
+def test_every_64_bit_seed_has_its_own_key():
+    seeds = [0, 2**32, -1, 2**32 - 1, 2**63 - 1, -(2**63), 7, 2**32 + 7, -(2**32) + 7, 123456789012]
+    keys = np.asarray(request_keys(seeds))
+    assert keys.shape == (len(seeds), 2) and keys.dtype == np.uint32
+    assert len({tuple(key) for key in keys}) == len(seeds)
+    # A row's key does not depend on the other seeds, and vmaps like any key.
+    np.testing.assert_array_equal(np.asarray(request_keys(seeds[3:5])), keys[3:5])
+    assert step_keys(request_keys(seeds), jnp.zeros(len(seeds), jnp.int32)).shape == (len(seeds), 2)
+
+
+def test_request_keys_name_only_the_seeds_out_of_range():
+    with pytest.raises(ValueError) as error:
+        request_keys([1, 2**64, 3, -(2**63) - 1])
+    assert str(error.value) == f"seeds must fit in a signed 64-bit integer, got {[2**64, -(2**63) - 1]}"
 
 
 def test_per_request_keys_do_not_depend_on_batch():

@@ -27,7 +27,11 @@ sampled request under a ``threshold`` or ``scheduler`` policy, whose verify leng
 random draws) weigh the other requests in flight. With continuous batching those differ after a
 resume, and such requests are drawn again, from the same exact distribution; with fixed batches
 (and the job's recorded cost table) they are reproduced too. Different settings, another input
-or an output file that no job wrote are refused rather than mixed into it.
+or an output file that no job wrote are refused rather than mixed into it, and so is a second run
+while one is writing the output (it holds ``<output>.lock``; a killed run's lock goes with it).
+
+Only a newline (LF, or CRLF) ends a line of the input or the output: a JSON string may hold
+U+2028, U+2029 or U+0085 raw, which ``str.splitlines`` would split on.
 
 Several processes (``dspark_jax.multihost``) share a job: each answers its ``multihost.share`` of
 the requests as a job of its own (``BatchJob.part``, resumable the same way), and process 0 then
@@ -36,22 +40,28 @@ writes the output from the parts (``BatchJob.merge``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from dspark_jax import multihost
 from dspark_jax.config import SamplingConfig
 from dspark_jax.eval.metrics import tau_of
+from dspark_jax.sampling import seed_fits
 
 FORMAT = "dspark-jax-batch-job"
 VERSION = 1
 PROMPT_KEYS = ("prompt", "messages", "turns")
 OPTIONAL_KEYS = ("id", "temperature", "top_k", "top_p", "seed", "metadata")
+# A request's own sampling, and its type: JSON numbers only, so that neither true nor "0.5"
+# passes for one (nor 20.0 for a top-k).
+SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +99,45 @@ def _prompt_ids(record: dict, where: str, tokenizer, chat: bool) -> list[int]:
     return tokenizer.apply_chat_template(messages)
 
 
+def _lines(data: bytes) -> list[bytes]:
+    """A JSONL file's lines, without their LF (or CRLF); what follows the last LF is a line unless
+    it is empty."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()
+    return [line.removesuffix(b"\r") for line in lines]
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` for each line of a JSONL file (``_lines``: only LF or CRLF ends
+    one); a line that is not UTF-8 is a ``ValueError`` naming it."""
+    for number, raw in enumerate(_lines(path.read_bytes()), 1):
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}:{number}: not UTF-8 ({error})") from None
+
+
+def _sampling(record: dict, where: str, sampling: SamplingConfig) -> SamplingConfig:
+    """``sampling`` with the fields ``record`` gives of its own."""
+    own = {}
+    for key, kind in SAMPLING_KEYS.items():
+        if key not in record:
+            continue
+        value = record[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise ValueError(f"{where}: {key!r} must be {'a number' if kind is float else 'an integer'}, "
+                             f"got {json.dumps(value, ensure_ascii=False)}")
+        try:
+            own[key] = kind(value)
+        except OverflowError:  # an integer past float's range
+            raise ValueError(f"{where}: {key!r} is out of range, got {value}") from None
+    try:
+        return dataclasses.replace(sampling, **own)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
 def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConfig | None = None,
                   seed: int = 0) -> list[Request]:
     """Parse and tokenize every request of a JSONL file; any bad line is a ``ValueError`` naming it.
@@ -98,13 +147,13 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
     if not path.is_file():
         raise FileNotFoundError(f"request file {path} does not exist")
     requests, seen = [], {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in jsonl_lines(path):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # a JSONDecodeError, or an integer of more digits than Python reads
             raise ValueError(f"{where}: not JSON ({error})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -119,17 +168,13 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
             if request_id in seen:
                 raise ValueError(f"{where}: id {request_id!r} was already used on line {seen[request_id]}")
             seen[request_id] = number
-        try:
-            own = SamplingConfig(
-                temperature=float(record.get("temperature", sampling.temperature)),
-                top_k=record.get("top_k", sampling.top_k),
-                top_p=float(record.get("top_p", sampling.top_p)),
-            )
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"{where}: {error}") from None
+        own = _sampling(record, where, sampling)
         request_seed = record.get("seed", seed + len(requests))
         if isinstance(request_seed, bool) or not isinstance(request_seed, int):
             raise ValueError(f"{where}: 'seed' must be an integer")
+        if not seed_fits(request_seed):
+            given = "'seed'" if "seed" in record else f"the job's seed {seed} + {len(requests)} (this request's index)"
+            raise ValueError(f"{where}: {given} must fit in a signed 64-bit integer")
         ids = _prompt_ids(record, where, tokenizer, chat)
         if not ids:
             raise ValueError(f"{where}: the prompt has no tokens")
@@ -144,28 +189,28 @@ def _file_sha256(path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _completed(output: Path, indices: Sequence[int]) -> int:
-    """How many requests ``output`` holds: its lines are those of the first of ``indices`` (the
-    job's requests), in order (a half-written last line, from a killed write, is cut off)."""
+def _completed(output: Path, indices: Sequence[int]) -> list[bytes]:
+    """The lines ``output`` holds (without their LF): those of the first of ``indices`` (the job's
+    requests), in order (a half-written last line, from a killed write, is cut off)."""
     if not output.exists():
-        return 0
+        return []
     data = output.read_bytes()
     whole = data.rfind(b"\n") + 1
     if whole < len(data):
         with open(output, "r+b") as f:
             f.truncate(whole)
-    lines = data[:whole].decode().splitlines()
+    lines = _lines(data[:whole])
     for number, line in enumerate(lines, 1):
         try:
-            index = json.loads(line)["index"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            index = json.loads(line.decode("utf-8"))["index"]
+        except (ValueError, KeyError, TypeError):  # not UTF-8, not JSON, or not a completion
             raise ValueError(f"{output}:{number} is not a completion this job wrote; "
                              "write to another output or delete it") from None
         if number > len(indices) or index != indices[number - 1]:
             expected = indices[number - 1] if number <= len(indices) else "nothing"
             raise ValueError(f"{output}:{number}: index {index!r} where this job writes {expected}; "
                              "write to another output or delete it")
-    return len(lines)
+    return lines
 
 
 class BatchJob:
@@ -180,6 +225,7 @@ class BatchJob:
     def __init__(self, input_path, output, settings: dict):
         self.input_path, self.output = Path(input_path), Path(output)
         self.manifest_path = self.output.with_name(self.output.name + ".job.json")
+        self.lock_path = self.output.with_name(self.output.name + ".lock")
         self.batch_size = settings["batch_size"]
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
@@ -212,6 +258,25 @@ class BatchJob:
             raise ValueError(f"{self.output} exists and no batch job wrote it (there is no "
                              f"{self.manifest_path.name}); write to another output or delete it")
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the output for this process, or refuse: two runs appending to one output would
+        interleave their lines. ``flock`` goes with the process, so a killed run leaves no lock."""
+        self.output.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip()  # empty while the holder has not yet written its pid
+                raise ValueError(f"{self.output} is being written by another running job"
+                                 + (f" (pid {holder})" if holder else "")
+                                 + "; wait for it to finish, or stop it and run this one again to resume it") from None
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
+            yield
+
     def _start(self, manifest: dict) -> None:
         self.output.parent.mkdir(parents=True, exist_ok=True)
         partial = self.manifest_path.with_name(self.manifest_path.name + ".tmp")
@@ -230,21 +295,23 @@ class BatchJob:
         """Write the output, in input order, from the finished parts of ``processes`` processes
         (``part``), with the manifest of a finished job: a rerun, by any number of processes,
         then finds nothing left to do."""
-        lines = [""] * len(requests)
-        for process in range(processes):
-            part, ours = self.part(process, processes).output, multihost.share(requests, process, processes)
-            if _completed(part, [r.index for r in ours]) != len(ours):
-                raise ValueError(f"{part} holds fewer than its {len(ours)} completions: "
-                                 f"run the job again with {processes} processes to finish it")
-            for request, line in zip(ours, part.read_text(encoding="utf-8").splitlines(keepends=True)):
-                lines[request.index] = line
-        self._start({**self.manifest, "requests": len(requests), "processes": processes})
-        partial = self.output.with_name(self.output.name + ".tmp")
-        with open(partial, "w", encoding="utf-8") as out:
-            out.write("".join(lines))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(partial, self.output)
+        with self._locked():
+            lines = [b""] * len(requests)
+            for process in range(processes):
+                part, ours = self.part(process, processes).output, multihost.share(requests, process, processes)
+                written = _completed(part, [r.index for r in ours])
+                if len(written) != len(ours):
+                    raise ValueError(f"{part} holds fewer than its {len(ours)} completions: "
+                                     f"run the job again with {processes} processes to finish it")
+                for request, line in zip(ours, written):
+                    lines[request.index] = line + b"\n"
+            self._start({**self.manifest, "requests": len(requests), "processes": processes})
+            partial = self.output.with_name(self.output.name + ".tmp")
+            with open(partial, "wb") as out:
+                out.write(b"".join(lines))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(partial, self.output)
 
     @property
     def scheduler_costs(self) -> dict | None:
@@ -270,49 +337,53 @@ class BatchJob:
                 raise ValueError(f"request {request.index}{name}: {error}") from None
         # One cache length for the whole job, resumed or not (it is part of every compiled shape).
         max_len = runner.cache_len_for([len(r.ids) for r in requests], max_new_tokens)
-        if self.started is None:
-            self._start({**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs})
-            self.output.write_bytes(b"")
-        resumed = _completed(self.output, [r.index for r in requests])
-        # Fixed batches: a batch cut short by the kill runs again whole, so that its requests
-        # share a batch as they did (its lines already written are not written again).
-        first = resumed if self.continuous else resumed - resumed % self.batch_size
-        todo = list(requests[first:]) if resumed < len(requests) else []
-        finished: dict[int, str] = {}  # position in ``todo`` -> its line, until the lines before it are written
-        next_line = resumed - first
-        generated = 0
-        start = time.perf_counter()
-        bar = tqdm(total=len(requests), initial=resumed, unit="request", disable=not progress, desc="dspark batch")
-        with open(self.output, "a", encoding="utf-8") as out:
+        with self._locked():
+            if self.started is None and self.manifest_path.exists():
+                raise ValueError(f"{self.output} was started by another job since this one was opened; "
+                                 "run this one again to resume it")
+            if self.started is None:
+                self._start({**self.manifest, "requests": len(requests), "scheduler_costs": scheduler_costs})
+                self.output.write_bytes(b"")
+            resumed = len(_completed(self.output, [r.index for r in requests]))
+            # Fixed batches: a batch cut short by the kill runs again whole, so that its requests
+            # share a batch as they did (its lines already written are not written again).
+            first = resumed if self.continuous else resumed - resumed % self.batch_size
+            todo = list(requests[first:]) if resumed < len(requests) else []
+            finished: dict[int, str] = {}  # position in ``todo`` -> its line, until the lines before it are written
+            next_line = resumed - first
+            generated = 0
+            start = time.perf_counter()
+            bar = tqdm(total=len(requests), initial=resumed, unit="request", disable=not progress, desc="dspark batch")
+            with open(self.output, "a", encoding="utf-8") as out:
 
-            def on_finish(position: int, tokens: list[int], reason: str) -> None:
-                nonlocal generated, next_line
-                request = todo[position]
-                if first + position < resumed:
-                    return
-                record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
-                          "completion": decode(tokens), "finish_reason": reason,
-                          "prompt_tokens": len(request.ids), "completion_tokens": len(tokens)}
-                if request.metadata is not None:
-                    record["metadata"] = request.metadata
-                finished[position] = json.dumps(record, ensure_ascii=False) + "\n"
-                generated += len(tokens)
-                ready = []
-                while next_line in finished:
-                    ready.append(finished.pop(next_line))
-                    next_line += 1
-                if ready:
-                    out.write("".join(ready))
-                    out.flush()
-                    os.fsync(out.fileno())
-                    bar.update(len(ready))
-                    bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+                def on_finish(position: int, tokens: list[int], reason: str) -> None:
+                    nonlocal generated, next_line
+                    request = todo[position]
+                    if first + position < resumed:
+                        return
+                    record = {"index": request.index, **({"id": request.id} if request.id is not None else {}),
+                              "completion": decode(tokens), "finish_reason": reason,
+                              "prompt_tokens": len(request.ids), "completion_tokens": len(tokens)}
+                    if request.metadata is not None:
+                        record["metadata"] = request.metadata
+                    finished[position] = json.dumps(record, ensure_ascii=False) + "\n"
+                    generated += len(tokens)
+                    ready = []
+                    while next_line in finished:
+                        ready.append(finished.pop(next_line))
+                        next_line += 1
+                    if ready:
+                        out.write("".join(ready))
+                        out.flush()
+                        os.fsync(out.fileno())
+                        bar.update(len(ready))
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
 
-            result = None if not todo else runner.generate(
-                [r.ids for r in todo], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in todo],
-                seeds=[r.seed for r in todo], stop_ids=stop_ids, max_len=max_len, batch_size=self.batch_size,
-                continuous=self.continuous, on_finish=on_finish,
-            )
+                result = None if not todo else runner.generate(
+                    [r.ids for r in todo], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in todo],
+                    seeds=[r.seed for r in todo], stop_ids=stop_ids, max_len=max_len, batch_size=self.batch_size,
+                    continuous=self.continuous, on_finish=on_finish,
+                )
         bar.close()
         elapsed = time.perf_counter() - start
         committed = getattr(result, "committed_per_round", None)  # speculative: τ over every request-round

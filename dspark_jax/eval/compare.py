@@ -24,6 +24,7 @@ import numpy as np
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+from dspark_jax.decoding.batch_job import jsonl_lines
 from dspark_jax.eval.metrics import per_position_acceptance, tau_of
 
 DOMAIN_FILES = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
@@ -40,7 +41,7 @@ def read_prompts_jsonl(path, limit: int | None = None) -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in jsonl_lines(path):
         if not line.strip():
             continue
         try:
