@@ -593,7 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")
     prof.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     prof.add_argument("--batch", type=positive_int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
-    prof.add_argument("--widths", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="verify width buckets (default 1 2 4 8; the full-block width γ + 1 is always added)")
+    prof.add_argument("--widths", type=positive_int, nargs="+", default=None,
+                      help="verify width buckets, each at most γ + 1 (default: the powers of two below γ + 1, "
+                           "1 2 4 for γ = 7; the full-block width γ + 1 is always added)")
     prof.add_argument("--max-len", type=positive_int, default=256, help="cache length to time with (default 256)")
     prof.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per width; the median counts")
     prof.add_argument("--temperature", type=float, default=0.0,

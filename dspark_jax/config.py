@@ -7,10 +7,42 @@ mistake surfaces when the config is built, not as a shape error deep inside XLA.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import operator
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen3")
+
+
+def as_int(value, name: str, expected: str = "an int") -> int:
+    """``value`` as a Python int: an int or a numpy integer, never a bool, a float or a str, which
+    ``int()`` would silently truncate or parse. ``expected`` says what the error asks for."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def as_ints(values, name: str) -> tuple[int, ...]:
+    """A collection of ints (a list, tuple, set or integer array), each checked by ``as_int``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a collection of ints, got {type(values).__name__} {values!r}")
+    return tuple(as_int(value, f"every entry of {name}") for value in values)
+
+
+def check_tap_layers(tap_layers, num_layers: int) -> tuple[int, ...]:
+    """Validate decoder-layer ids whose raw outputs a forward returns (spec §1.2). Strictly
+    ascending: the forward concatenates them in layer order, the order drafters are trained on,
+    so another order (or a repeat) would not be the taps asked for."""
+    taps = as_ints(tap_layers, "tap_layers")
+    bad = [i for i in taps if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"tap layer ids {bad} are outside the target's decoder layers 0..{num_layers - 1}")
+    if list(taps) != sorted(set(taps)):
+        raise ValueError(f"tap layer ids must be strictly ascending, got {list(taps)}")
+    return taps
 
 
 def _from_mapping(cls, values: Mapping[str, Any], what: str):
@@ -101,16 +133,8 @@ class TargetConfig:
         return dataclasses.asdict(self)
 
     def check_tap_layers(self, tap_layers: tuple[int, ...]) -> tuple[int, ...]:
-        """Validate decoder-layer ids whose raw outputs the forward returns (spec §1.2)."""
-        taps = tuple(int(i) for i in tap_layers)
-        bad = [i for i in taps if not 0 <= i < self.num_layers]
-        if bad:
-            raise ValueError(
-                f"tap layer ids {bad} are outside the target's decoder layers 0..{self.num_layers - 1}"
-            )
-        if list(taps) != sorted(set(taps)):
-            raise ValueError(f"tap layer ids must be strictly ascending, got {list(taps)}")
-        return taps
+        """``check_tap_layers`` for this target's layers."""
+        return check_tap_layers(tap_layers, self.num_layers)
 
 
 MIN_TEMPERATURE = 1e-5
@@ -134,8 +158,10 @@ class SamplingConfig:
         if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
                              f"got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be an int in [0, 2**31) (0 disables it), got {self.top_k!r}")
+        top_k_range = "an int in [0, 2**31) (0 disables it)"
+        object.__setattr__(self, "top_k", as_int(self.top_k, "top_k", top_k_range))  # numpy ints too
+        if not 0 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be {top_k_range}, got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -192,7 +218,7 @@ class DrafterConfig:
     def __post_init__(self):
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", TargetConfig.from_dict(self.backbone))
-        object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+        object.__setattr__(self, "tap_layers", as_ints(self.tap_layers, "tap_layers"))
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.markov_head not in MARKOV_HEADS:

@@ -1,4 +1,4 @@
-"""Target-only generation on the real embedded SmolLM2 target."""
+"""Target-only generation on the real embedded SmolLM2 target; argument checks on a tiny one."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,7 @@ from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.diagnostics import count_compilations
 from tests.prompts import mixed_prompts
+from tests.tiny import tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,102 @@ def test_bad_input_is_a_clear_error(generator, prompts_, kwargs, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         generator.generate(prompts_, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Argument checks on a tiny target (no embedded model needed): each refusal names the argument.
+
+
+@pytest.fixture(scope="module")
+def tiny_generator():
+    return AutoregressiveGenerator(tiny_target())  # 3 layers, vocabulary 97, 512 positions
+
+
+@pytest.mark.parametrize(
+    "taps, match",
+    [
+        ((3,), r"tap layer ids \[3\] are outside the target's decoder layers 0..2"),
+        ((-1,), r"tap layer ids \[-1\] are outside"),
+        ((1, 1), r"strictly ascending, got \[1, 1\]"),
+        ((2, 0), r"strictly ascending, got \[2, 0\]"),
+        ((0.5,), "every entry of tap_layers must be an int, got 0.5"),
+    ],
+)
+def test_tap_layers_must_be_ascending_layers_of_the_target(tiny_generator, taps, match):
+    """Drafters are trained on the taps concatenated in ascending layer order (the order the
+    forward produces them), so any other order or a repeat is refused, not reordered."""
+    with pytest.raises(ValueError, match=match):
+        AutoregressiveGenerator(tiny_generator.target, tap_layers=taps)
+    with pytest.raises(TypeError, match="tap_layers must be a collection of ints"):
+        AutoregressiveGenerator(tiny_generator.target, tap_layers=1)
+
+
+@pytest.mark.parametrize(
+    "prompts_, error, match",
+    [
+        ([[1.9, 2.7]], ValueError, r"every entry of prompt 0 \(token ids\) must be an int, got 1.9"),
+        ([[1, 2], [True, 2]], ValueError, r"prompt 1 \(token ids\) must be an int, got True"),
+        ([[1, 2], "12"], TypeError, r"prompt 1 \(token ids\) must be a collection of ints, got str '12'"),
+        (["hi"], TypeError, r"prompt 0 \(token ids\) must be a collection of ints, got str 'hi'"),
+        ([1, 2, 3], TypeError, r"prompt 0 \(token ids\) must be a collection of ints, got int 1"),  # not in a list
+    ],
+)
+def test_prompts_must_be_lists_of_integer_token_ids(tiny_generator, prompts_, error, match):
+    with pytest.raises(error, match=match):
+        tiny_generator.generate(prompts_, max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(max_new_tokens=4.0), ValueError, "max_new_tokens must be an int, got 4.0"),
+        (dict(max_new_tokens=True), ValueError, "max_new_tokens must be an int, got True"),
+        (dict(max_len=128.0), ValueError, "max_len must be an int, got 128.0"),
+        (dict(batch_size=1.0), ValueError, "batch_size must be an int, got 1.0"),
+        (dict(seeds=0.5), ValueError, "seeds must be an int, got 0.5"),
+        (dict(seeds=[0, 1.5]), ValueError, "every entry of seeds must be an int, got 1.5"),
+        (dict(sampling={"temperature": 0.7}), TypeError, r"SamplingConfig\(\*\*\{'temperature': 0.7\}\)"),
+        (dict(sampling=[SamplingConfig(), "greedy"]), TypeError, "sampling must be a SamplingConfig or a list"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(tiny_generator, kwargs, error, match):
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(error, match=match):
+        tiny_generator.generate([[1, 2], [3]], **kwargs)
+
+
+def test_numpy_integers_are_accepted_wherever_an_int_is(tiny_generator):
+    config = dict(temperature=1.0, top_k=20)
+    reference = tiny_generator.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, seeds=0, max_len=32, batch_size=2,
+                                        stop_ids=[96], sampling=SamplingConfig(**config))
+    result = tiny_generator.generate(
+        [np.asarray([1, 2, 3], np.int32), [np.int64(4), np.int64(5)]], max_new_tokens=np.int64(3), seeds=np.int64(0),
+        max_len=np.int64(32), batch_size=np.int64(2), stop_ids=np.asarray([96]),
+        sampling=SamplingConfig(temperature=1.0, top_k=np.int64(20)),
+    )
+    assert result.tokens == reference.tokens
+    assert SamplingConfig(top_k=np.int64(20)) == SamplingConfig(top_k=20)
+    assert (tiny_generator.generate(np.asarray([[1, 2, 3]]), max_new_tokens=3, max_len=32).tokens
+            == tiny_generator.generate([[1, 2, 3]], max_new_tokens=3, max_len=32).tokens)
+
+
+@pytest.mark.parametrize(
+    "stop_ids, error, match",
+    [
+        (2, TypeError, "stop_ids must be a collection of ints, got int 2"),
+        ([2, 2**31], ValueError, r"stop_ids \[2147483648\] are outside the vocabulary \[0, 97\)"),
+        ([-1, 97], ValueError, r"stop_ids \[-1, 97\] are outside the vocabulary"),
+        ([2.5], ValueError, "every entry of stop_ids must be an int, got 2.5"),
+    ],
+)
+def test_stop_ids_must_be_token_ids(tiny_generator, stop_ids, error, match):
+    with pytest.raises(error, match=match):
+        tiny_generator.generate([[1, 2]], max_new_tokens=2, stop_ids=stop_ids)
+
+
+def test_an_explicit_max_len_does_not_lift_the_models_position_limit(tiny_generator):
+    """512 positions: 505 prompt tokens + 16 new ones do not fit, however long the cache."""
+    prompt = [[(i * 7) % 90 + 1 for i in range(505)]]
+    for max_len in (None, 640):
+        with pytest.raises(ValueError, match=r"= 521 exceeds the model's max_position_embeddings \(512\)"):
+            tiny_generator.generate(prompt, max_new_tokens=16, max_len=max_len)

@@ -1,6 +1,7 @@
 """Drafter checkpoints: round trip for every kind, bf16 storage, and clear refusals."""
 
 import json
+import re
 
 import ml_dtypes
 import numpy as np
@@ -74,3 +75,25 @@ def test_refusals(tmp_path):
         load_drafter(tmp_path / "nothing")
     with pytest.raises(ValueError, match="storage_dtype"):
         save_drafter(build_drafter(cfg, draft_vocab_ids=IDS), tmp_path / "x", storage_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    "file, damage, match",
+    [
+        ("model.safetensors", lambda data: data[: len(data) // 2], "is not a readable safetensors file"),
+        ("model.safetensors", lambda data: b"", "is not a readable safetensors file"),
+        ("config.json", lambda data: b"{oops", "is not valid JSON"),
+        ("config.json", lambda data: b'{"format": "dspark-jax-drafter", "version": 1}', "has no 'drafter' section"),
+        ("config.json", lambda data: b"[1, 2]", "is not a dspark-jax-drafter config: a JSON object expected"),
+        ("config.json", lambda data: json.dumps({**json.loads(data), "drafter": {"kind": "dspark"}}).encode(),
+         "holds no valid drafter config"),
+    ],
+    ids=["weights-truncated", "weights-empty", "config-not-json", "config-without-drafter", "config-not-an-object",
+         "drafter-config-incomplete"],
+)
+def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, file, damage, match):
+    save_drafter(build_drafter(configs()["dflash"]), tmp_path)
+    path = tmp_path / file
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))} {match}"):
+        load_drafter(tmp_path)

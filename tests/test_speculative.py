@@ -23,7 +23,7 @@ from dspark_jax.drafter.model import Drafter
 from dspark_jax.sampling import SamplingParams
 from tests.multidevice import run_on_eight_devices
 from tests.prompts import mixed_prompts, random_drafter
-from tests.tiny import sharp_tiny_target
+from tests.tiny import sharp_tiny_target, tiny_target
 
 GAMMA = 7
 
@@ -412,3 +412,107 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     not_split, no_data_axis = report["errors"]
     assert not_split is not None and "a batch of 3 requests does not split over the mesh's 8" in not_split
     assert no_data_axis is not None and "needs a 'data' axis" in no_data_axis
+
+
+# ------------------------------------------------------------------------------------------
+# Construction and argument checks: refused by name, before anything compiles
+
+
+@pytest.mark.parametrize("policy, match", [("fixed:3", r"parse_policy\('fixed:3'\)"), (0.5, "got 0.5")])
+def test_a_policy_must_be_a_policy_object(tiny, policy, match):
+    target, drafter = tiny
+    with pytest.raises(TypeError, match=match):
+        SpeculativeDecoder(target, drafter, policy=policy)
+    with pytest.raises(TypeError, match=match):
+        SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).with_policy(policy)
+
+
+def test_the_default_policy_verifies_the_drafters_whole_block(tiny):
+    target, drafter = tiny
+    assert SpeculativeDecoder(target, drafter).policy == FixedPolicy(drafter.cfg.block_size)
+
+
+def test_a_fixed_policy_verifies_a_whole_number_of_drafts_the_drafter_proposes(tiny):
+    """K past γ is refused (not run as γ), as ``policy_for`` refuses it for the command line."""
+    target, drafter = tiny
+    with pytest.raises(ValueError, match="fixed policy k must be an int, got 2.5"):
+        FixedPolicy(2.5)
+    assert FixedPolicy(np.int64(3)) == FixedPolicy(3)
+    with pytest.raises(ValueError, match=r"fixed:4 asks for 4 drafts a round, but the drafter proposes γ = 3: "
+                                         r"use fixed:K with K <= 3"):
+        SpeculativeDecoder(target, drafter, policy=FixedPolicy(4))
+    with pytest.raises(ValueError, match="fixed:4 asks for 4 drafts"):
+        SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).with_policy(FixedPolicy(4))
+
+
+@pytest.mark.parametrize(
+    "widths, match",
+    [
+        ((0,), r"verify_widths \[0\] are outside 1..4"),
+        ((1, 2, 4, 8), r"verify_widths \[8\] are outside 1..4"),
+        ((100,), r"verify_widths \[100\] are outside"),
+        ((2.5,), "every entry of verify_widths must be an int, got 2.5"),
+    ],
+)
+def test_verify_widths_lie_between_one_and_a_full_block(tiny, widths, match):
+    target, drafter = tiny
+    with pytest.raises(ValueError, match=match):
+        SpeculativeDecoder(target, drafter, policy=FixedPolicy(3), verify_widths=widths)
+
+
+def test_verify_widths_default_to_powers_of_two_and_always_fit_a_full_block(tiny):
+    target, drafter = tiny  # γ = 3
+    assert SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).verify_widths == (1, 2, 4)
+    assert SpeculativeDecoder(target, drafter, policy=FixedPolicy(3), verify_widths=(1, 2)).verify_widths == (1, 2, 4)
+    assert SpeculativeDecoder(target, drafter, policy=FixedPolicy(3), strict=True).verify_widths == (4,)
+
+
+@pytest.fixture(scope="module")
+def tiny97():
+    """A tiny target with 97 token ids (room for more than 16 stop ids) and 512 positions."""
+    target = tiny_target()
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 1), mask_token_id=5, block_size=3,
+                                   markov_rank=4)
+    return target, Drafter(cfg, rngs=nnx.Rngs(1))
+
+
+def test_both_decoders_take_any_number_of_stop_ids(tiny97):
+    target, drafter = tiny97
+    prompts = [[3, 1, 4], [2, 7, 1, 8, 2]]
+    generator = AutoregressiveGenerator(target)
+    free = generator.generate(prompts, max_new_tokens=12, max_len=32)
+    stop = free.tokens[0][3]
+    seen = {t for tokens in free.tokens for t in tokens}
+    stop_ids = [stop] + [t for t in range(97) if t not in seen][:20]
+    assert len(stop_ids) > 16
+    reference = generator.generate(prompts, max_new_tokens=12, max_len=32, stop_ids=stop_ids)
+    assert reference.finish_reasons[0] == "stop" and reference.tokens[0] == free.tokens[0][: free.tokens[0].index(stop) + 1]
+    result = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(
+        prompts, max_new_tokens=12, max_len=32, stop_ids=stop_ids)
+    assert result.tokens == reference.tokens and result.finish_reasons == reference.finish_reasons
+
+
+@pytest.mark.parametrize(
+    "stop_ids, error, match",
+    [
+        (2, TypeError, "stop_ids must be a collection of ints, got int 2"),
+        ([2, 2**31], ValueError, r"stop_ids \[2147483648\] are outside the vocabulary \[0, 97\)"),
+        ([-1], ValueError, r"stop_ids \[-1\] are outside the vocabulary"),
+    ],
+)
+def test_both_decoders_refuse_stop_ids_that_are_not_token_ids(tiny97, stop_ids, error, match):
+    target, drafter = tiny97
+    for runner in (AutoregressiveGenerator(target), SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))):
+        with pytest.raises(error, match=match):
+            runner.generate([[1, 2]], max_new_tokens=2, stop_ids=stop_ids)
+
+
+def test_an_explicit_max_len_does_not_lift_the_models_position_limit(tiny97):
+    """512 positions: 505 prompt tokens + 16 new ones (+ the verify slack) do not fit, however
+    long the cache."""
+    target, drafter = tiny97
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3))
+    prompt = [[(i * 7) % 90 + 1 for i in range(505)]]
+    for max_len in (None, 640):
+        with pytest.raises(ValueError, match=r"exceeds the model's max_position_embeddings \(512\)"):
+            decoder.generate(prompt, max_new_tokens=16, max_len=max_len)

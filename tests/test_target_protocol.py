@@ -160,6 +160,15 @@ def test_both_targets_satisfy_the_protocol(linen):
     assert isinstance(tiny_target().new_cache(2, 16), TargetCache)
 
 
+@pytest.mark.parametrize("taps", [(1, 2, 3), (2, 1), (1, 1), (-1,)])
+def test_our_target_refuses_tap_layers_it_cannot_return(taps):
+    """Three layers: a tap past them, a repeat or a descending order would return taps of
+    another width or order than ``len(tap_layers) * d`` in ascending layer order."""
+    target = tiny_target()
+    with pytest.raises(ValueError, match="tap layer ids"):
+        target.apply(target.params, jnp.ones((1, 2), jnp.int32), target.new_cache(1, 8), tap_layers=taps)
+
+
 @pytest.mark.parametrize("k", [0, 2, GAMMA])
 def test_speculative_greedy_equals_target_only_on_a_linen_target(linen, k):
     target, drafter, reference = linen

@@ -75,12 +75,23 @@ def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
     path = Path(directory) / CONFIG_FILE
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a drafter checkpoint: no {CONFIG_FILE}")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): the checkpoint is damaged") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a {FORMAT} config: a JSON object expected, got {raw!r}")
     if raw.get("format") != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} config (format={raw.get('format')!r})")
     if raw.get("version") != VERSION:
         raise ValueError(f"{path} has format version {raw.get('version')}; this code reads version {VERSION}")
-    return DrafterConfig.from_dict(raw["drafter"]), raw.get("metadata", {})
+    if not isinstance(raw.get("drafter"), dict):
+        raise ValueError(f"{path} has no 'drafter' section (the drafter's config): the checkpoint is damaged")
+    try:
+        cfg = DrafterConfig.from_dict(raw["drafter"])
+    except (TypeError, ValueError) as error:  # a missing field is a TypeError from the dataclass
+        raise ValueError(f"{path} holds no valid drafter config: {error}") from error
+    return cfg, raw.get("metadata", {})
 
 
 def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.float32):
@@ -88,7 +99,12 @@ def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.flo
     cfg, _ = read_drafter_config(directory)
     if target is not None:
         cfg.check_target(target)
-    tensors = safetensors.numpy.load_file(str(Path(directory) / WEIGHTS_FILE))
+    weights = Path(directory) / WEIGHTS_FILE
+    try:
+        tensors = safetensors.numpy.load_file(str(weights))
+    except safetensors.SafetensorError as error:
+        raise ValueError(f"{weights} is not a readable safetensors file ({error}): the checkpoint is damaged or "
+                         "incompletely written") from error
     ids = tensors.get("draft_head.d2t")
     abstract = nnx.eval_shape(lambda: build_drafter(cfg, dtype=dtype, draft_vocab_ids=ids))
     graphdef, abstract_state = nnx.split(abstract)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, as_int, as_ints, check_tap_layers
 from dspark_jax.decoding.rows import RowSplit
 from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
@@ -65,7 +65,7 @@ def validate_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
         raise ValueError("no prompts given")
     checked = []
     for i, prompt in enumerate(prompts):
-        ids = [int(t) for t in prompt]
+        ids = list(as_ints(prompt, f"prompt {i} (token ids)"))
         if not ids:
             raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
         bad = [t for t in ids if not 0 <= t < vocab_size]
@@ -96,6 +96,8 @@ class Requests:
     padded_BxP: np.ndarray  # int32, prompt length bucketed (few prefill shapes)
     params: SamplingParams
     keys_B: jax.Array
+    max_new_tokens: int
+    stop_ids: frozenset[int]
 
     @property
     def batch(self) -> int:
@@ -111,14 +113,17 @@ class Requests:
         picked = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[index]), (self.params, self.keys_B))
         return self.padded_BxP[index, : bucket(max(lens))], lens, *picked
 
-    def check_fits(self, max_new_tokens: int, slack: int, max_len: int) -> None:
-        need = max(self.lens) + max_new_tokens + slack
+    def check_fits(self, max_len, slack: int) -> int:
+        """``max_len``, a cache length given by hand, as an int that holds prompt + new tokens + slack."""
+        max_len = as_int(max_len, "max_len")
+        need = max(self.lens) + self.max_new_tokens + slack
         if need > max_len:
             raise ValueError(
-                f"prompt of {max(self.lens)} tokens + max_new_tokens {max_new_tokens}"
+                f"prompt of {max(self.lens)} tokens + max_new_tokens {self.max_new_tokens}"
                 + (f" + verify slack {slack}" if slack else "")
                 + f" does not fit the cache length {max_len}"
             )
+        return max_len
 
 
 def prepare_requests(
@@ -127,28 +132,45 @@ def prepare_requests(
     max_new_tokens: int,
     sampling: SamplingConfig | Sequence[SamplingConfig] | None,
     seeds: Sequence[int] | int,
+    stop_ids: Iterable[int] = (),
 ) -> Requests:
     """Validate a generate() call's per-request arguments (shared by all decoders).
 
     ``sampling`` is one config for all or one per request (default greedy); ``seeds`` one int per
-    request, or one int from which request ``i`` uses ``seed + i``.
+    request, or one int from which request ``i`` uses ``seed + i``; ``stop_ids`` any number of
+    token ids. Ints may be numpy integers; a float, bool or str is refused, never truncated.
     """
     checked = validate_prompts(prompts, vocab_size)
     batch = len(checked)
+    max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     sampling = SamplingConfig() if sampling is None else sampling
-    configs = [sampling] * batch if isinstance(sampling, SamplingConfig) else list(sampling)
+    if isinstance(sampling, SamplingConfig):
+        configs = [sampling] * batch
+    elif isinstance(sampling, Sequence) and all(isinstance(c, SamplingConfig) for c in sampling):
+        configs = list(sampling)
+    else:
+        hint = f"; build one with SamplingConfig(**{sampling!r})" if isinstance(sampling, dict) else ""
+        raise TypeError(f"sampling must be a SamplingConfig or a list of one per prompt, got {sampling!r}{hint}")
     if len(configs) != batch:
         raise ValueError(f"got {len(configs)} sampling configs for {batch} prompts")
-    seed_list = [seeds + i for i in range(batch)] if isinstance(seeds, int) else list(seeds)
+    if isinstance(seeds, Iterable):
+        seed_list = list(as_ints(seeds, "seeds"))
+    else:
+        seed_list = [as_int(seeds, "seeds") + i for i in range(batch)]
     if len(seed_list) != batch:
         raise ValueError(f"got {len(seed_list)} seeds for {batch} prompts")
+    stops = frozenset(as_ints(stop_ids, "stop_ids"))
+    bad = sorted(s for s in stops if not 0 <= s < vocab_size)
+    if bad:
+        raise ValueError(f"stop_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     lens = [len(p) for p in checked]
     padded = np.zeros((batch, bucket(max(lens))), np.int32)
     for row, prompt in enumerate(checked):
         padded[row, : len(prompt)] = prompt
-    return Requests(checked, lens, padded, SamplingParams.from_configs(configs), request_keys(seed_list))
+    return Requests(checked, lens, padded, SamplingParams.from_configs(configs), request_keys(seed_list),
+                    max_new_tokens, stops)
 
 
 class AutoregressiveGenerator:
@@ -176,10 +198,11 @@ class AutoregressiveGenerator:
         self, target: SpeculativeTarget, *, step_width: int = 1, tap_layers: Sequence[int] = (),
         mesh: Mesh | None = None,
     ):
+        step_width = as_int(step_width, "step_width")
         if step_width < 1:
             raise ValueError(f"step_width must be >= 1, got {step_width}")
         self.target, self.step_width = target, step_width
-        self.tap_layers = tuple(int(i) for i in tap_layers)
+        self.tap_layers = check_tap_layers(tap_layers, target.cfg.num_layers)
         self.rows = RowSplit(mesh)
         self.params = self.rows.replicate(target.params)
         self._new_cache = self.rows.allocate(target.new_cache, num_static=2)
@@ -266,8 +289,10 @@ class AutoregressiveGenerator:
         """Generate for token-id prompts.
 
         ``max_new_tokens=0`` returns empty completions without running the model. ``seeds`` is one
-        int per request (or one int, request ``i`` then using ``seed + i``). ``max_len`` fixes the
-        cache length (default: the longest prompt + max_new_tokens rounded up to a multiple of 128).
+        int per request (or one int, request ``i`` then using ``seed + i``). ``stop_ids``: any number
+        of token ids that end a request. ``max_len`` fixes the cache length (default: the longest
+        prompt + max_new_tokens rounded up to a multiple of 128); either way prompt + max_new_tokens
+        must fit the model's ``max_position_embeddings``.
 
         ``batch_size`` (default: every prompt at once) caps the rows decoded together; with more
         prompts than that, a finished request's row is prefilled with the next waiting prompt
@@ -275,18 +300,19 @@ class AutoregressiveGenerator:
         fixed batches of ``batch_size`` in order). ``on_finish(index, tokens, reason)`` is called
         as each request finishes. ``on_step`` gets each step's token per row.
         """
-        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
+        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
-        if max_new_tokens == 0:
+        if requests.max_new_tokens == 0:
             return GenerationResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0)
-        slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
+        slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
+                      continuous=continuous)
         batch = slots.rows
         self.rows.check_batch(batch)
-        if max_len is None:
-            max_len = self.cache_len_for(requests.lens, max_new_tokens)
-        requests.check_fits(max_new_tokens, self.slack, max_len)
-        stops = set(int(s) for s in stop_ids)
-        completions = Completions(slots, count, max_new_tokens, on_finish)
+        # Fitting the default cache refuses positions past the model's: a max_len given by hand
+        # must not skip that.
+        fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
+        max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
+        completions = Completions(slots, count, requests.max_new_tokens, on_finish)
         out = completions.tokens
         # Taps per request: the prompt's from prefill, then each generated token's from the step
         # that feeds it. A finished request's last token is fed by the step after it finishes (its
@@ -298,7 +324,7 @@ class AutoregressiveGenerator:
         def emit(rows, tokens) -> None:
             before = slots.request_of.copy()
             for row, token in zip(rows, tokens):
-                completions.emit(row, [token], int(token) in stops)
+                completions.emit(row, [token], int(token) in requests.stop_ids)
             if taps is not None:
                 finished = np.flatnonzero((before != IDLE) & (slots.request_of == IDLE))
                 untapped.update((int(row), int(before[row])) for row in finished)

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, as_int, as_ints
 from dspark_jax.decoding.autoregressive import (
     AutoregressiveGenerator,
     FinishCallback,
@@ -65,8 +65,15 @@ class FixedPolicy:
         return self.k > 0
 
     def __post_init__(self):
+        object.__setattr__(self, "k", as_int(self.k, "fixed policy k"))  # numpy ints too
         if self.k < 0:
             raise ValueError(f"fixed policy needs k >= 0 drafted tokens, got {self.k}")
+
+    def check_gamma(self, gamma: int) -> None:
+        """Refuse verifying more drafts than the drafter proposes (as ``eval.compare.policy_for`` does)."""
+        if self.k > gamma:
+            raise ValueError(f"fixed:{self.k} asks for {self.k} drafts a round, but the drafter proposes "
+                             f"γ = {gamma}: use fixed:K with K <= {gamma}")
 
     def lengths(self, confidence_BxG, gamma: int, active_B, sampling) -> jax.Array:
         return jnp.full(active_B.shape, min(self.k, gamma), jnp.int32)
@@ -121,15 +128,15 @@ MAX_PLAIN_ROUNDS = 8
 # planned floor is, so that the two share one program).
 NO_FLOOR = np.int32(0)
 
-# Stop ids travel as a fixed-size array padded with -1, so their number is not a compiled shape.
-MAX_STOP_IDS = 16
+# Stop ids travel as an array padded with -1 to a power of two >= 16, so their number is not a
+# compiled shape up to 16; more compile one more verify program per power of two.
+MIN_STOP_ID_SLOTS = 16
 
 
 def stop_id_array(stop_ids: Sequence[int]) -> jax.Array:
-    ids = sorted(set(int(s) for s in stop_ids))
-    if len(ids) > MAX_STOP_IDS:
-        raise ValueError(f"at most {MAX_STOP_IDS} stop ids are supported, got {len(ids)}")
-    return jnp.asarray(ids + [-1] * (MAX_STOP_IDS - len(ids)), jnp.int32)
+    """Token ids (validated by ``prepare_requests``), deduplicated and padded with -1."""
+    ids = sorted(set(stop_ids))
+    return jnp.asarray(ids + [-1] * (bucket(len(ids), MIN_STOP_ID_SLOTS) - len(ids)), jnp.int32)
 
 
 class DecodeState(NamedTuple):
@@ -264,7 +271,10 @@ class SpeculativeDecoder:
     """Jitted prefill / draft / verify steps (the module-level pure functions) and a host loop.
 
     ``target`` is anything implementing ``dspark_jax.decoding.target_protocol.SpeculativeTarget``.
-    ``strict=True`` verifies every round at one width (the narrowest ``>= γ + 1``); greedy output is then
+    ``policy`` is a policy object (``parse_policy`` makes one from text); the default verifies
+    the drafter's whole block every round (``FixedPolicy(γ)``). ``verify_widths`` are the verify forward widths a round picks from,
+    each in ``1..γ + 1`` (default: the powers of two below ``γ + 1``); ``γ + 1`` is always added.
+    ``strict=True`` verifies every round at that one width ``γ + 1``; greedy output is then
     token-identical to ``self.reference_generator()`` (target-only decoding whose steps are
     forwards of that same width), whatever the drafter. The default picks the cheapest width per
     round, and can differ from plain target-only greedy decoding on exact near-ties
@@ -283,8 +293,8 @@ class SpeculativeDecoder:
         target: SpeculativeTarget,
         drafter: SpeculativeDrafter,
         *,
-        policy=FixedPolicy(7),
-        verify_widths: Sequence[int] = (1, 2, 4, 8),
+        policy=None,
+        verify_widths: Sequence[int] | None = None,
         strict: bool = False,
         mesh: Mesh | None = None,
     ):
@@ -292,14 +302,16 @@ class SpeculativeDecoder:
         self.target, self.cfg, self.strict = target, drafter.cfg, strict
         self.rows = RowSplit(mesh)
         gamma = self.cfg.block_size
-        self.verify_widths = tuple(sorted(set(int(w) for w in verify_widths if w >= 1)))
-        if not self.verify_widths or self.verify_widths[-1] < gamma + 1:
-            # Some bucket must fit a full block: [anchor, x_1..x_γ].
-            self.verify_widths = tuple(sorted(set(self.verify_widths) | {gamma + 1}))
-        if strict:
-            # One verify program for every round (the narrowest that fits a block), the one the
-            # reference generator steps with.
-            self.verify_widths = (next(w for w in self.verify_widths if w >= gamma + 1),)
+        if verify_widths is None:  # powers of two below a full block (1, 2, 4 for γ = 7)
+            verify_widths = [2**k for k in range(gamma.bit_length())]
+        widths = as_ints(verify_widths, "verify_widths")
+        bad = sorted(w for w in set(widths) if not 1 <= w <= gamma + 1)
+        if bad:
+            raise ValueError(f"verify_widths {bad} are outside 1..{gamma + 1}: a verify forward scores the anchor "
+                             f"and at most γ = {gamma} drafts")
+        # Some bucket must fit a full block: [anchor, x_1..x_γ]. Strict mode verifies every round
+        # at that width alone, the one the reference generator steps with.
+        self.verify_widths = (gamma + 1,) if strict else tuple(sorted(set(widths) | {gamma + 1}))
         self._feature_dtype = feature_dtype(target)
         self.drafter_graph, drafter_state = nnx.split(drafter)
         self.params, self.drafter_state = self.rows.replicate((target.params, drafter_state))
@@ -330,10 +342,14 @@ class SpeculativeDecoder:
                         jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)),
             request_keys(range(batch)), SamplingParams.broadcast(SamplingConfig(), batch),
         ))
-        self._set_policy(policy)
+        self._set_policy(FixedPolicy(gamma) if policy is None else policy)
 
     def _set_policy(self, policy) -> None:
         """Bake ``policy`` into a freshly jitted draft step (the only step that reads it)."""
+        if not callable(getattr(policy, "lengths", None)):  # else it fails inside the first jitted draft
+            hint = f"parse_policy({policy!r})" if isinstance(policy, str) else "parse_policy('fixed:3')"
+            raise TypeError(f"policy must be a policy object (FixedPolicy(3), ThresholdPolicy(0.5), SchedulerPolicy(), "
+                            f"or any with a lengths() method; {hint} makes one from text), got {policy!r}")
         gamma = self.cfg.block_size
         if not self.cfg.confidence_head:
             # A policy that needs confidence fails here, not at the first draft.
@@ -427,19 +443,20 @@ class SpeculativeDecoder:
     ) -> SpeculativeResult:
         """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``,
         continuous batching included. A refill prefills the joining requests between rounds."""
-        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds)
+        requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
-        if max_new_tokens == 0:
+        if requests.max_new_tokens == 0:
             return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [], [])
-        slots = Slots(count, count if batch_size is None else batch_size, self.rows.devices, continuous=continuous)
+        slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
+                      continuous=continuous)
         batch = slots.rows
         self.rows.check_batch(batch)
-        if max_len is None:
-            max_len = self.cache_len_for(requests.lens, max_new_tokens)
-        requests.check_fits(max_new_tokens, self.slack, max_len)
-        stops = stop_id_array(stop_ids)
-        stop_set = set(int(s) for s in stop_ids)
-        completions = Completions(slots, count, max_new_tokens, on_finish)
+        # Fitting the default cache refuses positions past the model's: a max_len given by hand
+        # must not skip that.
+        fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
+        max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
+        stops = stop_id_array(requests.stop_ids)
+        completions = Completions(slots, count, requests.max_new_tokens, on_finish)
 
         accepted_log, committed_log, lengths_log, confidence_log, widths = [], [], [], [], []
         prefill_s = decode_s = draft_s = verify_s = 0.0
@@ -466,7 +483,7 @@ class SpeculativeDecoder:
                 first = np.asarray(first)
                 prefill_s += time.perf_counter() - start
                 for row, token in zip(rows, first):
-                    completions.emit(row, [token], int(token) in stop_set)
+                    completions.emit(row, [token], int(token) in requests.stop_ids)
             active = slots.active
             if not active.any():
                 break

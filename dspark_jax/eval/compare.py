@@ -90,9 +90,8 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     from dspark_jax.training.calibrate import read_calibrations
 
     gamma = drafter_cfg.block_size
-    if isinstance(policy, FixedPolicy) and policy.k > gamma:
-        raise ValueError(f"fixed:{policy.k} asks for {policy.k} drafts a round, but this {drafter_cfg.kind} drafter "
-                         f"proposes γ = {gamma}: use fixed:K with K <= {gamma}")
+    if isinstance(policy, FixedPolicy):
+        policy.check_gamma(gamma)
     if isinstance(policy, (ThresholdPolicy, SchedulerPolicy)) and not drafter_cfg.confidence_head:
         asked = f"threshold:{policy.threshold}" if isinstance(policy, ThresholdPolicy) else (
             "scheduler-ahead" if policy.plan_ahead else "scheduler")
@@ -119,17 +118,13 @@ def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1
     ``profile_max_len`` cache, decoding with ``profile_sampling`` (default greedy): sampled rounds
     cost more than greedy ones (the filters and softmaxes over every verified position).
     """
-    import inspect
-
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.scheduler.profile import profiled
 
-    if policy is None:
-        default = inspect.signature(SpeculativeDecoder).parameters["policy"].default
-        policy = default if isinstance(default, FixedPolicy) else None
-    kwargs = {} if policy is None else {"policy": policy}
+    policy = FixedPolicy(drafter.cfg.block_size) if policy is None else policy
+    kwargs = {"policy": policy}
     if isinstance(policy, FixedPolicy):
-        kwargs["verify_widths"] = (min(policy.k, drafter.cfg.block_size) + 1,)
+        kwargs["verify_widths"] = (policy.k + 1,)
     if getattr(policy, "widths", None):
         kwargs["verify_widths"] = policy.widths
     return profiled(SpeculativeDecoder(target, drafter, mesh=mesh, **kwargs), tuple(profile_batches),

@@ -91,6 +91,8 @@ class Transformer(nnx.Module):
         ``logits_at_B`` only the hidden state at that index per row goes through the LM head,
         which keeps prefill from paying for ``T x V`` logits it does not need.
         """
+        # A layer past the last, a repeat or another order would silently change the taps' width or order.
+        tap_layers = self.cfg.check_tap_layers(tap_layers)
         batch, steps = tokens_BxT.shape
         if steps > cache.max_len:  # the writes past the end would be dropped and the logits wrong
             raise ValueError(f"{steps} tokens do not fit a KV cache of {cache.max_len} positions")
