@@ -124,6 +124,9 @@ def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_o
     ('{"prompt": "a", "id": [1]}', "'id' must be a string or an integer"),
     ('["a"]', "expected a JSON object, got list"),
     ("{prompt: a}", "not JSON"),
+    ('{"prompt": "a", "metadata": {"score": NaN}}', "not JSON (NaN is not a JSON number)"),
+    ('{"prompt": "a", "temperature": Infinity}', "not JSON (Infinity is not a JSON number)"),
+    ('{"prompt": "a", "metadata": ' + "[" * 100_000 + "]" * 100_000 + "}", "not JSON (nested too deeply)"),
 ])
 def test_a_bad_request_line_is_named(line, message, tmp_path, embedded_target):
     path = tmp_path / "requests.jsonl"

@@ -108,6 +108,11 @@ def _lines(data: bytes) -> list[bytes]:
     return [line.removesuffix(b"\r") for line in lines]
 
 
+def _not_a_json_number(name: str):
+    """Python's json reads NaN and ±Infinity, which strict JSON (and the output's readers) do not."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, text)`` for each line of a JSONL file (``_lines``: only LF or CRLF ends
     one); a line that is not UTF-8 is a ``ValueError`` naming it."""
@@ -152,9 +157,11 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
             continue
         where = f"{path}:{number}"
         try:
-            record = json.loads(line)
+            record = json.loads(line, parse_constant=_not_a_json_number)
         except ValueError as error:  # a JSONDecodeError, or an integer of more digits than Python reads
             raise ValueError(f"{where}: not JSON ({error})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: not JSON (nested too deeply)") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
         unknown = sorted(set(record) - set(PROMPT_KEYS) - set(OPTIONAL_KEYS))
