@@ -202,44 +202,46 @@ def cmd_batch(args) -> int:
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches})
     process, processes = jax.process_index(), jax.process_count()
     own_job = job if processes == 1 else job.part(process, processes)
-    target, tokenizer = load_target(args.checkpoint)
-    requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
-    own_requests = multihost.share(requests)
-    if not own_requests:
-        raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    costs = None
-    if args.drafter is not None:
-        from dspark_jax.eval.compare import make_decoder
+    # A second copy of a running job is refused here, before it loads the model or profiles.
+    with own_job.hold():
+        target, tokenizer = load_target(args.checkpoint)
+        requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
+        own_requests = multihost.share(requests)
+        if not own_requests:
+            raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
+        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        costs = None
+        if args.drafter is not None:
+            from dspark_jax.eval.compare import make_decoder
 
-        name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy,
-                                                        sampling=[r.sampling for r in requests])
-        if note:
-            print(f"note: {note}", file=sys.stderr)
-        if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
-            policy = policy.with_tables(own_job.scheduler_costs)
-        # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
-        longest = max(len(r.ids) for r in own_requests)
-        runner = make_decoder(
-            target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
-            profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
-                                      drafter.cfg.block_size + 1))
-        if isinstance(runner.policy, SchedulerPolicy):
-            costs = {b: dict(table) for b, table in runner.policy.costs}
-            if args.batch_size not in costs:
-                raise SystemExit(f"--policy {args.policy}: the cost table has no batch size {args.batch_size} "
-                                 f"(profiled: {sorted(costs)}); profile it with dspark profile --batch {args.batch_size}")
-        described = _describe(name, drafter, runner)
-    else:
-        runner = AutoregressiveGenerator(target, mesh=mesh)
-        described = "none (target-only decoding)"
-    devices = "" if mesh is None else f", split over {mesh.size} devices"
-    batching = "fixed batches" if args.fixed_batches else "continuous batching"
-    share = "" if processes == 1 else f" (process {process} of {processes}: {len(own_requests)} of them)"
-    print(f"{len(requests)} requests from {args.input}{share}, {batching} of {args.batch_size} rows{devices}; "
-          f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
-    summary = own_job.run(own_requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
-                          stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress and multihost.is_lead())
+            name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy,
+                                                            sampling=[r.sampling for r in requests])
+            if note:
+                print(f"note: {note}", file=sys.stderr)
+            if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
+                policy = policy.with_tables(own_job.scheduler_costs)
+            # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
+            longest = max(len(r.ids) for r in own_requests)
+            runner = make_decoder(
+                target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
+                profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
+                                          drafter.cfg.block_size + 1))
+            if isinstance(runner.policy, SchedulerPolicy):
+                costs = {b: dict(table) for b, table in runner.policy.costs}
+                if args.batch_size not in costs:
+                    raise SystemExit(f"--policy {args.policy}: the cost table has no batch size {args.batch_size} "
+                                     f"(profiled: {sorted(costs)}); profile it with dspark profile --batch {args.batch_size}")
+            described = _describe(name, drafter, runner)
+        else:
+            runner = AutoregressiveGenerator(target, mesh=mesh)
+            described = "none (target-only decoding)"
+        devices = "" if mesh is None else f", split over {mesh.size} devices"
+        batching = "fixed batches" if args.fixed_batches else "continuous batching"
+        share = "" if processes == 1 else f" (process {process} of {processes}: {len(own_requests)} of them)"
+        print(f"{len(requests)} requests from {args.input}{share}, {batching} of {args.batch_size} rows{devices}; "
+              f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
+        summary = own_job.run(own_requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
+                              stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress and multihost.is_lead())
     resumed = f" ({summary['resumed']} already done)" if summary["resumed"] else ""
     tau = "" if summary["tau"] is None else f", τ {summary['tau']:.2f}"
     print(f"wrote {summary['requests']} completions to {own_job.output}{resumed}: {summary['completion_tokens']} new "
@@ -428,6 +430,13 @@ def cmd_calibrate(args) -> int:
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
     directory = Path(args.out_dir) if args.out_dir else resolve_drafter(args.drafter)[1]
+    if args.out_dir:
+        directory.mkdir(parents=True, exist_ok=True)
+    try:  # before minutes of decoding, not after
+        calibrate.check_calibration_dir(directory)
+    except ValueError as error:
+        raise ValueError(f"the calibration goes to {directory}, but {error}"
+                         + ("" if args.out_dir else "; choose another place with --out-dir")) from None
     target, tokenizer = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     if not drafter.cfg.confidence_head:

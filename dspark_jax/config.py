@@ -279,16 +279,15 @@ class DrafterConfig:
                 problems.append(f"{name}: drafter {mine}, target {theirs}")
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary")
-        bad = [i for i in self.tap_layers if not 0 <= i < target.num_layers]
-        if bad:
-            problems.append(f"tap layers {bad} outside the target's layers 0..{target.num_layers - 1}")
+        try:
+            target.check_tap_layers(self.tap_layers)
+        except ValueError as error:
+            problems.append(str(error))
         if target.num_layers - 1 in self.tap_layers:
             problems.append(
                 f"tap layer {target.num_layers - 1} is the target's final layer (its features are "
                 "not what the drafter was trained on; spec §1.2)"
             )
-        if list(self.tap_layers) != sorted(set(self.tap_layers)):
-            problems.append(f"tap layers must be strictly ascending, got {list(self.tap_layers)}")
         if problems:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 

@@ -305,6 +305,19 @@ def test_a_second_run_on_an_output_being_written_is_refused(tmp_path, embedded_t
     assert output.read_bytes() == full
 
 
+
+def test_dspark_batch_refuses_a_second_copy_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """A second copy of a running job is refused at once, not after the model load and profiling."""
+    from dspark_jax import cli
+
+    inputs, output = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out.jsonl"
+    loads = []
+    monkeypatch.setattr(cli, "load_target", lambda checkpoint: loads.append(checkpoint) or pytest.fail("loaded"))
+    with BatchJob(inputs, output, {"batch_size": 2}).hold():
+        assert main(["batch", "--input", str(inputs), "--output", str(output), "--batch-size", "2",
+                     "--no-progress"]) == 2
+    assert loads == [] and "is being written by another running job" in capsys.readouterr().err
+
 EIGHT_DEVICE_BATCH = """
 import functools, json, sys
 from pathlib import Path

@@ -100,6 +100,9 @@ def test_calibration_file_round_trip_and_errors(tmp_path):
                                            Calibration(fit[0], (0.25, 0.25), t07))
     body = json.loads((tmp_path / "calibration.json").read_text())
     assert set(body) == {"greedy", "sampled"} and len(body["sampled"]) == 2 and body["greedy"]["drafter"] == "x"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["calibration.json"]  # no partial file left
+    with pytest.raises(ValueError, match="nowhere is not a directory"):
+        save_calibration(tmp_path / "nowhere", fitted, greedy)
     assert read_calibrations(tmp_path / "nowhere") == ()
     # Files from before: one sampled entry (a dict), entries without biases (the paper's STS) or
     # without the sampling they were fitted on (greedy's is greedy; a sampled one serves any).

@@ -248,6 +248,24 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert "policy scheduler (calibrated for greedy; round cost B=1: plain " in err and ", W8 " in err
 
 
+
+def test_calibrate_refuses_where_it_could_not_write_before_decoding(tmp_path, monkeypatch, capsys, random_drafter_dir):
+    """Where the fit cannot be written (a damaged calibration.json it would merge into, a path that
+    is not a writable directory), calibrate says so before loading the model, not minutes later."""
+    import shutil
+
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: pytest.fail("loaded the model"))
+    drafter = tmp_path / "drafter"
+    shutil.copytree(random_drafter_dir, drafter)
+    (drafter / "calibration.json").write_text("{half")
+    assert main(["calibrate", "--drafter", str(drafter)]) == 2
+    assert (f"the calibration goes to {drafter}, but {drafter / 'calibration.json'} is not a calibration file"
+            in capsys.readouterr().err)
+    (drafter / "calibration.json").unlink()
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only directory (the tests run as root)
+    assert main(["calibrate", "--drafter", str(drafter)]) == 2
+    assert f"but {drafter} is not writable; choose another place with --out-dir" in capsys.readouterr().err
+
 def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
     script = load_script("bench_speculative")
     out = tmp_path / "bench.json"

@@ -279,7 +279,7 @@ def test_select_draft_vocab():
         (dict(hidden_size=64), "hidden_size: drafter 48, target 64"),
         (dict(vocab_size=90), "vocab_size: drafter 97, target 90"),
         (dict(num_layers=3), "tap layer 2 is the target's final layer"),
-        (dict(num_layers=2), "tap layers \\[2\\] outside"),
+        (dict(num_layers=2), r"tap layer ids \[2\] are outside the target's decoder layers 0..1"),
     ],
 )
 def test_drafter_that_does_not_fit_its_target_is_refused(change, match):

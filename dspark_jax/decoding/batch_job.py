@@ -233,6 +233,7 @@ class BatchJob:
         self.input_path, self.output = Path(input_path), Path(output)
         self.manifest_path = self.output.with_name(self.output.name + ".job.json")
         self.lock_path = self.output.with_name(self.output.name + ".lock")
+        self._holding = False
         self.batch_size = settings["batch_size"]
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
@@ -266,9 +267,14 @@ class BatchJob:
                              f"{self.manifest_path.name}); write to another output or delete it")
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def hold(self) -> Iterator[None]:
         """Hold the output for this process, or refuse: two runs appending to one output would
-        interleave their lines. ``flock`` goes with the process, so a killed run leaves no lock."""
+        interleave their lines. ``flock`` goes with the process, so a killed run leaves no lock.
+        ``run`` and ``merge`` hold it themselves; a caller holds it around them too (``dspark batch``
+        does, from before it loads the model) to refuse a second copy before it spends any time."""
+        if self._holding:  # held around this call already
+            yield
+            return
         self.output.parent.mkdir(parents=True, exist_ok=True)
         with open(self.lock_path, "a+") as lock:
             try:
@@ -282,7 +288,11 @@ class BatchJob:
             lock.truncate(0)
             lock.write(f"{os.getpid()}\n")
             lock.flush()
-            yield
+            self._holding = True
+            try:
+                yield
+            finally:
+                self._holding = False
 
     def _start(self, manifest: dict) -> None:
         self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -302,7 +312,7 @@ class BatchJob:
         """Write the output, in input order, from the finished parts of ``processes`` processes
         (``part``), with the manifest of a finished job: a rerun, by any number of processes,
         then finds nothing left to do."""
-        with self._locked():
+        with self.hold():
             lines = [b""] * len(requests)
             for process in range(processes):
                 part, ours = self.part(process, processes).output, multihost.share(requests, process, processes)
@@ -344,7 +354,7 @@ class BatchJob:
                 raise ValueError(f"request {request.index}{name}: {error}") from None
         # One cache length for the whole job, resumed or not (it is part of every compiled shape).
         max_len = runner.cache_len_for([len(r.ids) for r in requests], max_new_tokens)
-        with self._locked():
+        with self.hold():
             if self.started is None and self.manifest_path.exists():
                 raise ValueError(f"{self.output} was started by another job since this one was opened; "
                                  "run this one again to resume it")

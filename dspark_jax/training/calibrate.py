@@ -33,6 +33,7 @@ was fitted on).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -202,7 +203,7 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
     the fits for other samplings."""
     import dataclasses
 
-    path = Path(directory) / CALIBRATION_FILE
+    path = check_calibration_dir(directory)
     body = json.loads(path.read_text()) if path.is_file() else {}
     mode = mode_of(sampling.greedy)
     entry = {**fitted, **info, "sampling": dataclasses.asdict(sampling)}
@@ -210,8 +211,24 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
         body[mode] = entry
     else:
         body[mode] = [e for e in _entries(body, mode) if e.get("sampling") != entry["sampling"]] + [entry]
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    # Written whole or not at all: a half-written file would stop the drafter from loading.
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(partial, path)
     return path
+
+
+def check_calibration_dir(directory) -> Path:
+    """The calibration file of ``directory``, checked before the decoding that fits it (minutes):
+    the directory must exist and be writable, and a file already there must read as a calibration,
+    since the fit is merged into it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{directory} is not writable")
+    read_calibrations(directory)
+    return directory / CALIBRATION_FILE
 
 
 def read_calibrations(directory) -> tuple:
