@@ -7,8 +7,10 @@ mistake surfaces when the config is built, not as a shape error deep inside XLA.
 from __future__ import annotations
 
 import dataclasses
+import json
 import operator
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 ARCHITECTURES = ("llama", "qwen3")
@@ -23,6 +25,21 @@ def as_int(value, name: str, expected: str = "an int") -> int:
         except TypeError:
             pass
     raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def read_json(path, default: dict | None = None) -> dict:
+    """The JSON object in the file ``path`` (``default`` where there is no such file, if given):
+    a ``ValueError`` naming the file when it is not JSON or not an object."""
+    path = Path(path)
+    if default is not None and not path.exists():
+        return default
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object expected")
+    return value
 
 
 def as_ints(values, name: str) -> tuple[int, ...]:

@@ -21,6 +21,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
 
+from dspark_jax.config import read_json
+
 
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
@@ -37,10 +39,6 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _chat_templates(directory: Path, config: dict) -> tuple[str | None, list[str]]:
@@ -99,9 +97,13 @@ class Tokenizer:
         directory = Path(directory)
         if not (directory / "tokenizer.json").exists():
             raise ValueError(f"{directory} has no tokenizer.json; cannot turn text into tokens")
-        config = _read_json(directory / "tokenizer_config.json")
-        special = {**config, **_read_json(directory / "special_tokens_map.json")}
-        backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        config = read_json(directory / "tokenizer_config.json", default={})
+        special = {**config, **read_json(directory / "special_tokens_map.json", default={})}
+        try:
+            backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        except Exception as error:  # the tokenizers library raises a bare Exception for a damaged file
+            raise ValueError(f"{directory / 'tokenizer.json'} is not a tokenizer the tokenizers library reads "
+                             f"({error})") from None
 
         def token_id(name):
             token = special.get(name)

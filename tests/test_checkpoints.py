@@ -113,6 +113,59 @@ def test_missing_files_are_clear_errors(tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
+
+def test_a_save_replaces_the_weights_of_an_earlier_save_in_its_directory(tmp_path):
+    """A sharded checkpoint saved over a single file (or the other way round) leaves one form: the
+    other, left behind, could be the one a loader reads. Where both are present the single file
+    is the checkpoint, as transformers loads it."""
+    old, new = tiny_target(seed=9), tiny_target(seed=10)
+    save_hf_checkpoint(old.module(), tmp_path, max_shard_bytes=20_000)
+    save_hf_checkpoint(new.module(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(logits_of(load_hf_checkpoint(tmp_path)), logits_of(new))
+    save_hf_checkpoint(old.module(), tmp_path, max_shard_bytes=20_000)
+    assert not (tmp_path / "model.safetensors").exists()
+    np.testing.assert_array_equal(logits_of(load_hf_checkpoint(tmp_path)), logits_of(old))
+    save_file(hf_tensors_from_module(new.module()), str(tmp_path / "model.safetensors"))  # both forms, by hand
+    np.testing.assert_array_equal(logits_of(load_hf_checkpoint(tmp_path)), logits_of(new))
+
+
+def test_damaged_checkpoint_files_are_named(tmp_path):
+    save_hf_checkpoint(tiny_target(seed=11).module(), tmp_path)
+    weights, config = tmp_path / "model.safetensors", tmp_path / "config.json"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors is not a readable safetensors file \("):
+        load_hf_checkpoint(tmp_path)
+    weights.write_bytes(whole)
+    hf = json.loads(config.read_text())
+    for text, match in [("{half", r"config.json is not valid JSON \("),
+                        ("[1, 2]", "config.json holds a JSON list, not the object expected"),
+                        (json.dumps({k: v for k, v in hf.items() if k != "intermediate_size"}),
+                         "config.json: HF config has no 'intermediate_size'"),
+                        (json.dumps(dict(hf, num_hidden_layers=2.5)),
+                         "config.json: HF config 'num_hidden_layers' must be an int, got 2.5")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_hf_checkpoint(tmp_path)
+    config.write_text(json.dumps(hf))
+    weights.unlink()
+    for index, match in [("{half", "index.json is not valid JSON"), ("{}", "index.json has no 'weight_map'")]:
+        (tmp_path / "model.safetensors.index.json").write_text(index)
+        with pytest.raises(ValueError, match=match):
+            load_hf_checkpoint(tmp_path)
+
+
+def test_damaged_tokenizer_files_are_named(tmp_path):
+    from dspark_jax.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": {"a\n": 0}')
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer the tokenizers library reads"):
+        Tokenizer.from_directory(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{half")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is not valid JSON \("):
+        Tokenizer.from_directory(tmp_path)
+
 def test_hf_config_translation():
     for cfg in (tiny_config(), tiny_config(**QWEN3)):
         assert config_from_hf(config_to_hf(cfg)) == cfg

@@ -427,6 +427,20 @@ def test_a_policy_must_be_a_policy_object(tiny, policy, match):
         SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).with_policy(policy)
 
 
+@pytest.mark.parametrize("text, match", [
+    ("fixed", r"policy fixed needs a whole number after the colon, e.g. fixed:3; got 'fixed'"),
+    ("fixed:", "policy fixed needs a whole number"),
+    ("fixed:2.5", "policy fixed needs a whole number"),
+    ("fixed:1_0", "policy fixed needs a whole number"),  # int() would read 10
+    ("threshold", r"policy threshold needs a number after the colon, e.g. threshold:0.5; got 'threshold'"),
+    ("threshold: ", "policy threshold needs a number"),
+])
+def test_a_policy_text_without_its_number_is_named(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_policy(text)
+    assert parse_policy("fixed:3") == FixedPolicy(3) and parse_policy("threshold:0.25") == ThresholdPolicy(0.25)
+
+
 def test_the_default_policy_verifies_the_drafters_whole_block(tiny):
     target, drafter = tiny
     assert SpeculativeDecoder(target, drafter).policy == FixedPolicy(drafter.cfg.block_size)

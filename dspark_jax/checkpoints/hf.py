@@ -8,6 +8,7 @@ tensors are all listed in one ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.config import RopeScaling, TargetConfig, as_int, read_json
 from dspark_jax.models.target import TargetModel, Transformer
 
 # Buffers some exporters leave in a checkpoint that carry no weights (recomputed from config).
@@ -33,6 +34,8 @@ _HF_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 def config_from_hf(hf: Mapping) -> TargetConfig:
     """Translate an HF ``config.json`` (Llama or Qwen3) into a ``TargetConfig``."""
+    if not isinstance(hf, Mapping):
+        raise ValueError(f"an HF config is a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(
@@ -68,21 +71,30 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
             )
         elif rope_type != "default":
             raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, llama3)")
-    num_heads = int(hf["num_attention_heads"])
+
+    def integer(key, default=None):
+        """An int entry, exactly (a float such as 2.5 is refused, not truncated, as transformers does)."""
+        if hf.get(key) is None:
+            if default is None:
+                raise ValueError(f"HF config has no {key!r}")
+            return default
+        return as_int(hf[key], f"HF config {key!r}")
+
+    num_heads = integer("num_attention_heads")
     return TargetConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=integer("vocab_size"),
+        hidden_size=integer("hidden_size"),
+        intermediate_size=integer("intermediate_size"),
+        num_layers=integer("num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        num_kv_heads=integer("num_key_value_heads", num_heads),
+        head_dim=integer("head_dim", integer("hidden_size") // num_heads),
         rope_theta=float(rope_theta or 10000.0),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        max_position_embeddings=integer("max_position_embeddings", 8192),
         architecture=model_type,
     )
 
@@ -240,46 +252,59 @@ def hf_tensors_from_module(module: Transformer) -> dict[str, np.ndarray]:
 # files
 
 
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@contextlib.contextmanager
+def _safetensors(path: Path):
+    """``safe_open`` (``framework="flax"`` reads bfloat16, which the numpy reader cannot), with a
+    damaged file named in a ``ValueError`` rather than the reader's own error."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="flax") as f:
+            yield f
+    except SafetensorError as error:
+        raise ValueError(f"{path} is not a readable safetensors file ({error}): damaged or incompletely "
+                         "written") from None
+
+
 def _open_safetensors_files(directory: Path) -> dict[str, Path]:
-    """Map tensor name -> file, for a single ``model.safetensors`` or a sharded index."""
-    index = directory / "model.safetensors.index.json"
-    single = directory / "model.safetensors"
+    """Map tensor name -> file, for a single ``model.safetensors`` or a sharded index. Where a
+    directory has both, the single file is the checkpoint, as transformers loads it."""
+    index, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    if single.exists():
+        with _safetensors(single) as f:
+            return {name: single for name in f.keys()}
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' of tensor names to shard files")
         missing_files = sorted({f for f in weight_map.values() if not (directory / f).exists()})
         if missing_files:
             raise ValueError(f"sharded checkpoint {directory} lacks shard files: {missing_files}")
         return {name: directory / f for name, f in weight_map.items()}
-    if single.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="numpy") as f:
-            return {name: single for name in f.keys()}
-    raise ValueError(f"{directory} has neither model.safetensors nor model.safetensors.index.json")
+    raise ValueError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
 def _read_tensors(files: Mapping[str, Path], names: list[str] | None = None) -> dict[str, np.ndarray]:
-    from safetensors import safe_open
-
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
         if names is None or name in names:
             by_file.setdefault(path, []).append(name)
     out = {}
     for path, file_names in by_file.items():
-        # framework="flax" reads bfloat16, which the numpy reader cannot.
-        with safe_open(str(path), framework="flax") as f:
+        with _safetensors(path) as f:
             for name in file_names:
                 out[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
     return out
 
 
 def _read_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
     shapes = {}
     for path in sorted(set(files.values())):
-        with safe_open(str(path), framework="flax") as f:
+        with _safetensors(path) as f:
             for name in f.keys():
                 if files.get(name) == path:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -296,7 +321,10 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype=jnp.float32) -> Targe
     config_path = directory / "config.json"
     if not config_path.exists():
         raise ValueError(f"{directory} has no config.json")
-    cfg = config_from_hf(json.loads(config_path.read_text()))
+    try:
+        cfg = config_from_hf(read_json(config_path))
+    except ValueError as error:
+        raise ValueError(f"{config_path}: {error}") from None
     files = _open_safetensors_files(directory)
     shapes = _read_shapes(files)
     tied_extra = ("lm_head.weight",) if cfg.tie_word_embeddings and "lm_head.weight" in shapes else ()
@@ -322,9 +350,10 @@ def save_hf_tensors(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_weights(directory)
     (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     if max_shard_bytes is None:
-        save_file(dict(tensors), str(directory / "model.safetensors"), metadata={"format": "pt"})
+        save_file(dict(tensors), str(directory / SINGLE_FILE), metadata={"format": "pt"})
         return directory
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -340,5 +369,21 @@ def save_hf_tensors(
         save_file(shard, str(directory / file), metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return directory
+
+
+def _remove_weights(directory: Path) -> None:
+    """Remove the weights of a checkpoint saved in ``directory`` before (the single file, or an
+    index and its shards), as transformers' ``save_pretrained`` does: left beside the new ones, the
+    old form could be the one a loader reads."""
+    index = directory / INDEX_FILE
+    try:
+        weight_map = read_json(index).get("weight_map") if index.is_file() else None
+    except ValueError:  # an unreadable index goes, and names no shards
+        weight_map = None
+    shards = {f for f in weight_map.values() if isinstance(f, str)} if isinstance(weight_map, dict) else set()
+    for name in {SINGLE_FILE, INDEX_FILE, *shards}:
+        path = directory / name
+        if path.is_file() and path.parent == directory:
+            path.unlink()

@@ -108,10 +108,19 @@ def parse_policy(text: str):
         policy = SchedulerPolicy(plan_ahead=plan_ahead)
         return policy.with_tables(load_cost_tables(value)) if value else policy
 
+    def number(value, kind, convert, example, what="a number"):
+        try:
+            if not value.strip() or "_" in value:  # int() and float() read '1_0' as 10
+                raise ValueError
+            return convert(value)
+        except ValueError:
+            raise ValueError(f"policy {kind} needs {what} after the colon, e.g. {kind}:{example}; "
+                             f"got {text!r}") from None
+
     kind, _, value = text.partition(":")
     parsers = {
-        "fixed": lambda v: FixedPolicy(int(v)),
-        "threshold": lambda v: ThresholdPolicy(float(v)),
+        "fixed": lambda v: FixedPolicy(number(v, "fixed", int, 3, "a whole number")),
+        "threshold": lambda v: ThresholdPolicy(number(v, "threshold", float, 0.5)),
         "scheduler": lambda v: scheduler(v, plan_ahead=False),
         "scheduler-ahead": lambda v: scheduler(v, plan_ahead=True),
     }
