@@ -486,7 +486,8 @@ def cmd_train(args) -> int:
         raise SystemExit("dspark train: --out-dir names one run's directory; give one --config with it")
     if args.budget_s is not None and args.steps is not None:
         raise SystemExit("dspark train: --budget-s chooses the steps; do not give --steps with it")
-    overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps)) if v is not None}
+    overrides = {k: v for k, v in (("out_dir", args.out_dir), ("steps", args.steps),
+                                   ("data_parallel", args.data_parallel)) if v is not None}
     configs = [dataclasses.replace(load_config(path), **overrides) for path in args.config]
     if args.budget_s is not None:
         outs = run_budgeted(configs, args.budget_s, data_fraction=args.data_fraction)
@@ -641,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "to train several drafters, one after another")
     train.add_argument("--out-dir", default=None, help="override the config's out_dir (one --config only)")
     train.add_argument("--steps", type=int, default=None, help="override the config's step count")
+    train.add_argument("--data-parallel", type=positive_int, default=None,
+                       help="train on the first N devices (override the config's data_parallel; default: all)")
     train.add_argument("--budget-s", type=float, default=None,
                        help="train every --config on one data set within this many seconds of wall time, with "
                             "equal steps: the cache is built for --data-fraction of it, a batch and each step are "

@@ -201,6 +201,11 @@ def test_arguments_of_the_wrong_type_are_named(tiny_generator, kwargs, error, ma
         tiny_generator.generate([[1, 2], [3]], **kwargs)
 
 
+
+def test_a_mesh_that_is_not_one_is_named(tiny_generator):
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh with a 'data' axis \(or None\), got list"):
+        AutoregressiveGenerator(tiny_generator.target, mesh=jax.devices())
+
 def test_numpy_integers_are_accepted_wherever_an_int_is(tiny_generator):
     config = dict(temperature=1.0, top_k=20)
     reference = tiny_generator.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, seeds=0, max_len=32, batch_size=2,

@@ -384,6 +384,12 @@ def test_eval_heldout_reads_benchmark_prompts_past_the_skip():
 # --------------------------------------------------------------------------------------------
 
 
+def test_train_data_parallel_flag_overrides_the_config(capsys):
+    """--data-parallel reaches the run: more devices than this process sees is refused by name."""
+    assert main(["train", "--config", str(REPO / "configs" / "tiny_test.py"), "--data-parallel", "9"]) == 2
+    assert "data_parallel=9 but 1 devices are visible" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--config", "a.py", "--config", "b.py", "--out-dir", "x"], "--out-dir names one run's directory"),
     (["--config", "a.py", "--budget-s", "60", "--steps", "5"], "--budget-s chooses the steps"),

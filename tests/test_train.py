@@ -882,9 +882,14 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
                     "decode": g._decode_step.lower(g.params, cache, tokens[:, 0], lens > 0, lens, keys, params),
                     "stored": writers["eight"].stored_arrays.lower(g.params, taps)}
         counts = {k: len(collectives(p)) for k, p in programs.items()}
+        from dspark_jax.training import train
+        tiny = train.load_config("configs/tiny_test.py")
+        train.load_target = None  # a run whose batches cannot split is refused before loading anything
         errors = value_errors(lambda: TargetCacheWriter(target, dataclasses_replace(spec, batch_size=6), sys.argv[1] + "/x",
                                                         stop_ids=[2], mesh=mesh),
-                              lambda: g.generate(prompts[:3], max_new_tokens=4))
+                              lambda: g.generate(prompts[:3], max_new_tokens=4),
+                              lambda: train.run(dataclasses_replace(tiny, batch_size=4, out_dir=sys.argv[1] + "/run")),
+                              lambda: train.run_budgeted([dataclasses_replace(tiny, batch_size=4, out_dir=sys.argv[1] + "/b")], 60))
         print(json.dumps({"caches": caches, "collectives": counts, "errors": errors, "inserts": inserts}))
     """).replace("dataclasses_replace", "__import__('dataclasses').replace")
     report = run_on_eight_devices(script, str(tmp_path))
@@ -900,6 +905,10 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         # Each device multiplies its own rows: float32 sums round differently, then bf16 storage.
         stored = ("features", "hidden", "lse")
         assert_same_stored_arrays([b[k] for k in stored], [a[k] for k in stored], head)
-    not_divisible, not_split = report["errors"]
+    not_divisible, not_split, run_not_divisible, budget_not_divisible = report["errors"]
     assert not_divisible is not None and "batch_size 6 is not divisible by the mesh's 8" in not_divisible
     assert not_split is not None and "a batch of 3 requests does not split" in not_split
+    for message in (run_not_divisible, budget_not_divisible):
+        assert message is not None and message.startswith("batch_size 4 is not divisible by the 8 data-parallel "
+                                                          "devices: train on a number of devices that divides it")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "b").exists()

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig, as_int, as_ints, check_tap_layers
-from dspark_jax.decoding.rows import RowSplit
+from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
 from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
@@ -249,6 +249,7 @@ class AutoregressiveGenerator:
     def new_cache(self, batch: int, max_len: int):
         return self._new_cache(batch, max_len)
 
+    @in_mesh_scope
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
         """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent."""
         start = time.perf_counter()
@@ -272,6 +273,7 @@ class AutoregressiveGenerator:
     def cache_len_for(self, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
         return cache_len(prompt_lens, max_new_tokens, self.target.cfg.max_position_embeddings, self.slack)
 
+    @in_mesh_scope
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

@@ -11,11 +11,13 @@ Without a mesh every method here is the identity, so decoders have one code path
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 ROWS = PartitionSpec("data")
 REPLICATED = PartitionSpec()
@@ -25,10 +27,22 @@ class RowSplit:
     """Where a decoder's arrays live: ``mesh=None`` one device, else split by rows over ``data``."""
 
     def __init__(self, mesh: Mesh | None):
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh with a 'data' axis (or None), got {type(mesh).__name__}")
         if mesh is not None and "data" not in mesh.axis_names:
             raise ValueError(f"the mesh needs a 'data' axis to split rows over, got axes {mesh.axis_names}")
+        if mesh is not None and any(kind != AxisType.Auto for kind in mesh.axis_types):
+            # The same devices and axes, sharded by the placements below: on an Explicit mesh (what
+            # jax.make_mesh gives) the row scatter of a refill fails on its sharded types.
+            mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
         self.mesh = mesh
         self.devices = 1 if mesh is None else mesh.shape["data"]
+
+    def scope(self):
+        """This split's mesh as JAX's context mesh while a decoder runs: called inside
+        ``jax.set_mesh`` of an Explicit mesh, JAX would otherwise type the decoder's arrays by that
+        one (and refuse them)."""
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def _put(self, tree, spec: PartitionSpec):
         return tree if self.mesh is None else jax.device_put(tree, NamedSharding(self.mesh, spec))
@@ -73,3 +87,14 @@ class RowSplit:
         count = sum(p.kind in positional for p in inspect.signature(step).parameters.values())
         in_specs = tuple(REPLICATED if i in replicated else ROWS for i in range(count))
         return jax.shard_map(step, mesh=self.mesh, in_specs=in_specs, out_specs=ROWS)
+
+
+def in_mesh_scope(method: Callable) -> Callable:
+    """A decoder method run within ``self.rows.scope()`` (see ``RowSplit.scope``)."""
+
+    @functools.wraps(method)
+    def scoped(self, *args, **kwargs):
+        with self.rows.scope():
+            return method(self, *args, **kwargs)
+
+    return scoped

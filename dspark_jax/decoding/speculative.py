@@ -44,7 +44,7 @@ from dspark_jax.decoding.autoregressive import (
     cache_len,
     prepare_requests,
 )
-from dspark_jax.decoding.rows import RowSplit
+from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
 from dspark_jax.decoding.slots import Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
@@ -390,6 +390,7 @@ class SpeculativeDecoder:
         other._set_policy(policy)
         return other
 
+    @in_mesh_scope
     def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
         """Compile prefill, draft and every verify width for these shapes; returns seconds."""
         start = time.perf_counter()
@@ -417,6 +418,7 @@ class SpeculativeDecoder:
         return AutoregressiveGenerator(
             self.target, step_width=self.verify_widths[-1] if self.strict else 1, mesh=self.rows.mesh)
 
+    @in_mesh_scope
     def prefill(self, batch: int, max_len: int, padded_BxP, lens, keys_B, sampling):
         """Prefill a fresh cache and drafter context: ``(first token per row, DecodeState)``.
         ``keys_B`` and ``sampling`` are already on rows (``self.rows.on_rows``)."""
@@ -437,6 +439,7 @@ class SpeculativeDecoder:
     def width_for(self, max_length: int) -> int:
         return next(w for w in self.verify_widths if w >= max_length + 1)
 
+    @in_mesh_scope
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

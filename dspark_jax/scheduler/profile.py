@@ -65,27 +65,28 @@ def profile_round_costs(
     if isinstance(decoder.policy, SchedulerPolicy):  # it may have no table yet; its own work (a sort) is negligible
         decoder = decoder.with_policy(FixedPolicy(decoder.cfg.block_size))
     target = decoder.target
-    params, keys, active, lengths = decoder.rows.on_rows((
-        SamplingParams.broadcast(sampling or SamplingConfig(), batch), request_keys(range(seed, seed + batch)),
-        jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
-    ))
-    stops = stop_id_array(())
-    prompts = np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, bucket(prompt_len)), dtype=np.int32)
-    _, state = decoder.prefill(batch, max_len, prompts, [prompt_len] * batch, keys, params)
-    times = {w: [] for w in (PLAIN, *widths)}
-    block = None
-    for repeat in range(repeats + 1):
-        for width in times:
-            start = time.perf_counter()
-            if width != PLAIN or block is None:
-                block, _, _ = decoder._draft(decoder.params, decoder.drafter_state, state, keys, params, active, NO_FLOOR)
-            _, state = decoder._verify(
-                decoder.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
-                width=widths[0] if width == PLAIN else width,
-            )
-            jax.block_until_ready(state)
-            if repeat > 0:
-                times[width].append(time.perf_counter() - start)
+    with decoder.rows.scope():  # as the decoder's own methods run (rows.in_mesh_scope)
+        params, keys, active, lengths = decoder.rows.on_rows((
+            SamplingParams.broadcast(sampling or SamplingConfig(), batch), request_keys(range(seed, seed + batch)),
+            jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
+        ))
+        stops = stop_id_array(())
+        prompts = np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, bucket(prompt_len)), dtype=np.int32)
+        _, state = decoder.prefill(batch, max_len, prompts, [prompt_len] * batch, keys, params)
+        times = {w: [] for w in (PLAIN, *widths)}
+        block = None
+        for repeat in range(repeats + 1):
+            for width in times:
+                start = time.perf_counter()
+                if width != PLAIN or block is None:
+                    block, _, _ = decoder._draft(decoder.params, decoder.drafter_state, state, keys, params, active, NO_FLOOR)
+                _, state = decoder._verify(
+                    decoder.params, decoder.drafter_state, state, block, lengths, keys, params, active, stops,
+                    width=widths[0] if width == PLAIN else width,
+                )
+                jax.block_until_ready(state)
+                if repeat > 0:
+                    times[width].append(time.perf_counter() - start)
     return {w: statistics.median(t) for w, t in times.items()}
 
 

@@ -469,6 +469,17 @@ def make_mesh(data_parallel: int | None, *, local: bool = False) -> Mesh:
     return Mesh(np.asarray(devices[:n]), ("data",))
 
 
+def training_mesh(config: TrainConfig) -> Mesh:
+    """The mesh a run trains on, refused where its batches cannot split over it: checked before
+    the target cache is built (minutes to hours), not after."""
+    mesh = make_mesh(config.data_parallel)
+    if config.batch_size % mesh.size:
+        raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} data-parallel devices: "
+                         f"train on a number of devices that divides it (data_parallel in the config, or dspark "
+                         f"train --data-parallel N), or with a batch_size that is a multiple of {mesh.size}")
+    return mesh
+
+
 # ------------------------------------------------------------------------------------------
 # the pipeline
 
@@ -703,9 +714,7 @@ class Trainer:
         self.graphdef, params, rest = nnx.split(drafter, nnx.Param, ...)
         self.tx = optimizer(config)
 
-        mesh = make_mesh(config.data_parallel)
-        if config.batch_size % mesh.size:
-            raise ValueError(f"batch_size {config.batch_size} is not divisible by the {mesh.size} data-parallel devices")
+        mesh = training_mesh(config)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.by_row = NamedSharding(mesh, PartitionSpec("data"))
         self.params, self.rest, self.embed, self.head = jax.device_put((params, rest, embed, head), replicated)
@@ -888,6 +897,7 @@ def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> 
 def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
     """The whole pipeline; returns the exported drafter directory (None if stopped early)."""
     progress = progress and multihost.is_lead()
+    training_mesh(config)
     if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
         run(config.init_from, progress=progress)
     target, tokenizer = load_target(config)
@@ -938,6 +948,7 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     if len(set(run_names)) != len(configs) or len({str(Path(c.out_dir).absolute()) for c in configs}) != len(configs):
         raise ValueError(f"configs under one budget need distinct names and out_dirs, got {run_names}")
 
+    training_mesh(first)  # the configs share batch_size and data_parallel
     progress = progress and multihost.is_lead()
     clock = time.monotonic()
     plans = [Path(c.out_dir) / BUDGET_FILE for c in configs]
