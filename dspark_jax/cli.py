@@ -8,30 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+from dspark_jax.checkpoints import load_target  # a module global: tests replace it
+
 DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",
     "A shop sells pencils at 3 for 25 cents. How much do 12 pencils cost?",
     "Give me three tips for staying focused while studying.",
 )
-
-
-def load_target(checkpoint: str | None):
-    """The embedded SmolLM2 target, or a GGUF file / HF checkpoint directory."""
-    from dspark_jax.checkpoints.gguf import load_embedded_target, load_gguf
-
-    if checkpoint is None:
-        return load_embedded_target()
-    path = Path(checkpoint)
-    if path.is_file() and path.suffix == ".gguf":
-        return load_gguf(path)
-    if path.is_dir():
-        from dspark_jax.checkpoints.hf import load_hf_checkpoint
-        from dspark_jax.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_directory(path)  # before the weights: a missing tokenizer fails fast
-        return load_hf_checkpoint(path), tokenizer
-    raise SystemExit(f"--checkpoint must be a .gguf file or an HF checkpoint directory: {checkpoint}")
 
 
 def _encode(tokenizer, prompt: str, chat: bool) -> list[int]:

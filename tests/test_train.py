@@ -502,6 +502,38 @@ def test_kill_and_resume_reproduces_the_loss_curve(tmp_path, tiny_parts):
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
+
+def test_a_run_trains_for_a_target_checkpoint_it_is_given(tmp_path, tiny_run, embedded_target):
+    """``target_checkpoint``: the tiny run's own target (the embedded one's first two layers),
+    written as an HF directory, is the same target (its caches are reused, not rebuilt) and
+    trains the same steps; a target whose tokenizer has no EOS is refused by name."""
+    import shutil
+
+    from dspark_jax.checkpoints.hf import save_hf_checkpoint
+
+    config = load_config(TINY)
+    directory = save_hf_checkpoint(embedded_target[0].truncated(config.target_layers).module(), tmp_path / "target")
+    embedded_target[1].save(directory)
+    caches = {}
+    for name in ("cache", "heldout_cache"):  # copies: the shared run is only read
+        caches[name] = shutil.copytree(Path(tiny_run) / name, tmp_path / name)
+    given = dataclasses.replace(config, target_checkpoint=str(directory), target_layers=None,
+                                out_dir=str(tmp_path / "run"), cache_dir=str(caches["cache"]),
+                                heldout_cache_dir=str(caches["heldout_cache"]))
+
+    def cache_files():
+        return {path: path.stat().st_mtime_ns for cache in caches.values() for path in cache.rglob("*")}
+
+    before = cache_files()
+    assert run(given, stop_after=3, progress=False) is None
+    assert cache_files() == before  # nothing answered again
+    assert losses(given.out_dir) == losses(tiny_run)[:3]
+    tokens = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**tokens, "eos_token": None}))
+    (directory / "special_tokens_map.json").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="names no EOS token"):
+        run(dataclasses.replace(given, out_dir=str(tmp_path / "no_eos")), progress=False)
+
 def test_a_run_resumes_only_with_the_settings_it_was_started_with(tmp_path, tiny_parts, capsys):
     """Rerun with another learning rate, a killed run would go on as a hybrid of two runs, and with
     another drafter it would fail deep in orbax: both are refused, naming what changed, before

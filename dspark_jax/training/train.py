@@ -82,7 +82,8 @@ class TrainConfig:
     num_prompts: int = 1000  # per data seed
     data_seed: int | tuple[int, ...] = 0  # more seeds, more prompts (see training_prompts)
     data_mix: str | tuple[str, ...] = "paper"  # a name in data.MIXES, for every seed or one per seed
-    target_layers: int | None = None  # keep only the embedded target's first N layers (tiny_test)
+    target_checkpoint: str | None = None  # a GGUF file or HF directory to train for (default: the embedded SmolLM2)
+    target_layers: int | None = None  # keep only the target's first N layers (tiny_test)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step, across all devices
     seq_len: int = 512  # sequences are truncated / padded to this many tokens
@@ -485,9 +486,14 @@ def training_mesh(config: TrainConfig) -> Mesh:
 
 
 def load_target(config: TrainConfig):
-    from dspark_jax.checkpoints.gguf import load_embedded_target
+    """The target and tokenizer a run trains for: ``target_checkpoint`` (the embedded one by
+    default), cut to its first ``target_layers``."""
+    from dspark_jax.checkpoints import load_target as load_checkpoint
 
-    target, tokenizer = load_embedded_target()
+    target, tokenizer = load_checkpoint(config.target_checkpoint)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {config.target_checkpoint} names no EOS token, which ends the target's "
+                         "answers to the training prompts")
     if config.target_layers is not None:
         target = target.truncated(config.target_layers)
     return target, tokenizer
@@ -912,8 +918,8 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
 
 BUDGET_FILE = "budget.json"
 # What drafters compared under one budget must share: their data and their batches' shape.
-SHARED_FIELDS = ("num_prompts", "data_seed", "data_mix", "target_layers", "cache", "cache_path", "cache_shards",
-                 "benchmarks_dir", "batch_size", "seq_len", "num_anchors", "seed", "data_parallel")
+SHARED_FIELDS = ("num_prompts", "data_seed", "data_mix", "target_checkpoint", "target_layers", "cache", "cache_path",
+                 "cache_shards", "benchmarks_dir", "batch_size", "seq_len", "num_anchors", "seed", "data_parallel")
 
 
 def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: float = 0.3, margin: float = 0.15,
