@@ -222,6 +222,31 @@ def test_jsonl_round_trip(tmp_path):
     assert read_jsonl(tmp_path / "p.jsonl") == prompts
 
 
+def test_a_prompts_file_of_your_own(tmp_path):
+    """``TrainConfig.prompts_file``: text alone will do (ids by line, domain ``custom``); a line
+    that is not a prompt, or an id given twice (the cache names answers by id), is named by line."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"text": "Summarise the Iliad."}\n\n{"text": "Sort a list in Rust.", "id": "rust", '
+                    '"domain": "code"}\r\n{"text": "Line\u2028break"}\n')
+    assert read_jsonl(path) == [TrainingPrompt("line-000001", "custom", "Summarise the Iliad."),
+                                TrainingPrompt("rust", "code", "Sort a list in Rust."),
+                                TrainingPrompt("line-000004", "custom", "Line\u2028break")]
+    for text, message in [
+        ('{"text": "a"}\n{"text": "b", "id": "line-000001"}\n', r":2: id 'line-000001' is also line 1's"),
+        ('{"text": "a"}\n{"prompt": "b"}\n', ":2: a training prompt is a JSON object with a non-empty string 'text'"),
+        ('{"text": "  "}\n', ":1: a training prompt is a JSON object"),
+        ('{"text": "a", "turns": []}\n', r":1: unknown keys \['turns'\]"),
+        ('{"text": "a", "id": 7}\n', ":1: 'id' and 'domain' are non-empty strings"),
+        ('{"text": "a"\n', ":1: not JSON"),
+        ("\n\n", "holds no prompts"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_jsonl(path)
+    with pytest.raises(FileNotFoundError, match="prompts file .*missing.jsonl does not exist"):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
 def test_other_seeds_can_repeat_training_prompts_and_the_exclusion_removes_them():
     """The shipped drafters trained on thousands of prompts; calibration's default seed (1000)
     repeats some of them word for word, which ``prompts_not_trained_on`` leaves out."""

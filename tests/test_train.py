@@ -31,6 +31,7 @@ from dspark_jax.training.train import (
     BatchSource,
     Trainer,
     batch_completer,
+    build_cache,
     draft_vocab,
     drafter_config,
     load_config,
@@ -533,6 +534,25 @@ def test_a_run_trains_for_a_target_checkpoint_it_is_given(tmp_path, tiny_run, em
     (directory / "special_tokens_map.json").unlink(missing_ok=True)
     with pytest.raises(ValueError, match="names no EOS token"):
         run(dataclasses.replace(given, out_dir=str(tmp_path / "no_eos")), progress=False)
+
+
+def test_a_run_trains_on_a_prompts_file_of_your_own(tmp_path):
+    """``prompts_file`` replaces the generated mix: the cache answers the file's prompts, named by
+    their lines, and lines appended later grow it."""
+    path = tmp_path / "mine.jsonl"
+    texts = ["Name three rivers in Africa.", "What is 7 times 8?", "Write a haiku about rain.", "Define entropy."]
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    config = dataclasses.replace(load_config(TINY), prompts_file=str(path), out_dir=str(tmp_path / "run"),
+                                 heldout_prompts=0)
+    assert run(config, stop_after=2, progress=False) is None
+    assert len(losses(config.out_dir)) == 2 and np.isfinite(losses(config.out_dir)).all()
+    assert [s.name for s in load_target_cache(config.cache_path)] == [f"line-00000{i}" for i in range(1, 5)]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["prompts_file"] == str(path)
+    with path.open("a") as f:
+        f.write(json.dumps({"text": "Explain recursion to a child.", "id": "recursion"}) + "\n")
+    target, tokenizer = train_module.load_target(config)
+    names = build_cache(config, target, tokenizer, progress=False)
+    assert names[-1] == "recursion" and [s.name for s in load_training_set(config, names)] == names
 
 def test_a_run_resumes_only_with_the_settings_it_was_started_with(tmp_path, tiny_parts, capsys):
     """Rerun with another learning rate, a killed run would go on as a hybrid of two runs, and with

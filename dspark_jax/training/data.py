@@ -1577,8 +1577,39 @@ def write_jsonl(prompts: Iterable[TrainingPrompt], path: str | Path) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[TrainingPrompt]:
-    with open(path, encoding="utf-8") as f:
-        return [TrainingPrompt(**json.loads(line)) for line in f if line.strip()]
+    """Training prompts from a JSONL file (``TrainConfig.prompts_file``, or what ``write_jsonl``
+    wrote), one object a line: ``text`` (the user turn), and optionally ``id`` (default
+    ``line-NNNNNN``, its line number) and ``domain`` (default ``custom``). Ids are unique, since the
+    target cache names each answer by its prompt's id. A line that is not one is named by path:line."""
+    from dspark_jax.decoding.batch_job import jsonl_lines
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    prompts, lines = [], {}
+    for number, line in jsonl_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{where}: not JSON ({error})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
+            raise ValueError(f"{where}: a training prompt is a JSON object with a non-empty string 'text'")
+        unknown = sorted(set(record) - {"id", "domain", "text"})
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown} (a training prompt has text, id and domain)")
+        prompt = TrainingPrompt(record.get("id", f"line-{number:06d}"), record.get("domain", "custom"), record["text"])
+        if not isinstance(prompt.id, str) or not prompt.id or not isinstance(prompt.domain, str):
+            raise ValueError(f"{where}: 'id' and 'domain' are non-empty strings")
+        if prompt.id in lines:
+            raise ValueError(f"{where}: id {prompt.id!r} is also line {lines[prompt.id]}'s")
+        lines[prompt.id] = number
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompts")
+    return prompts
 
 
 # --------------------------------------------------------------------------------------------

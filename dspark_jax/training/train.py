@@ -79,6 +79,9 @@ class TrainConfig:
     out_dir: str
     cache: CacheSpec
     drafter: dict
+    # Your own prompts instead of the generated mix (``data.read_jsonl``: a JSONL of {"text": ...});
+    # num_prompts, data_seed and data_mix are then unused. Lines appended later grow the cache.
+    prompts_file: str | None = None
     num_prompts: int = 1000  # per data seed
     data_seed: int | tuple[int, ...] = 0  # more seeds, more prompts (see training_prompts)
     data_mix: str | tuple[str, ...] = "paper"  # a name in data.MIXES, for every seed or one per seed
@@ -500,12 +503,15 @@ def load_target(config: TrainConfig):
 
 
 def training_prompts(config: TrainConfig) -> list:
-    """``num_prompts`` prompts from each data seed (of that seed's mix), seeds in order, a text an
+    """The prompts of ``prompts_file`` when it is given. Otherwise ``num_prompts`` prompts from
+    each data seed (of that seed's mix), seeds in order, a text an
     earlier seed already gave dropped. Appending a seed appends prompts: the cache built for the
     shorter list is a prefix of the new one and grows (``TargetCacheWriter``). Ids of later seeds
     carry the seed (``math-000012@s2``) so that every id stays unique."""
-    from dspark_jax.training.data import MIXES, build_prompts, normalise_text
+    from dspark_jax.training.data import MIXES, build_prompts, normalise_text, read_jsonl
 
+    if config.prompts_file is not None:
+        return read_jsonl(config.prompts_file)
     seen, prompts = set(), []
     for i, (seed, mix) in enumerate(config.data_sources):
         for prompt in build_prompts(config.num_prompts, seed=seed, mix=MIXES[mix]):
@@ -558,7 +564,7 @@ def prompts_not_trained_on(configs: Sequence[TrainConfig], count: int, *, seed: 
     sources (a stdlib function, a word problem's numbers), so another seed can repeat a prompt."""
     from dspark_jax.training.data import build_prompts, normalise_text
 
-    data_sets = {(leg.num_prompts, leg.data_sources): leg for config in configs for leg in config.legs}
+    data_sets = {(leg.prompts_file, leg.num_prompts, leg.data_sources): leg for config in configs for leg in config.legs}
     seen = {normalise_text(p.text) for leg in data_sets.values() for p in training_prompts(leg)}
     return [p for p in build_prompts(count, seed=seed, mix=mix) if normalise_text(p.text) not in seen]
 
@@ -918,7 +924,7 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
 
 BUDGET_FILE = "budget.json"
 # What drafters compared under one budget must share: their data and their batches' shape.
-SHARED_FIELDS = ("num_prompts", "data_seed", "data_mix", "target_checkpoint", "target_layers", "cache", "cache_path",
+SHARED_FIELDS = ("prompts_file", "num_prompts", "data_seed", "data_mix", "target_checkpoint", "target_layers", "cache", "cache_path",
                  "cache_shards", "benchmarks_dir", "batch_size", "seq_len", "num_anchors", "seed", "data_parallel")
 
 
