@@ -553,6 +553,10 @@ def test_a_run_trains_on_a_prompts_file_of_your_own(tmp_path):
     target, tokenizer = train_module.load_target(config)
     names = build_cache(config, target, tokenizer, progress=False)
     assert names[-1] == "recursion" and [s.name for s in load_training_set(config, names)] == names
+    path.write_text(path.read_text().replace('"id": "recursion"', '"id": "renamed"'))  # same prompts, new ids
+    with pytest.raises(ValueError, match=r"answered these prompts under other ids \(1 ids it does not know, "
+                                         r"e.g. \['renamed'\]\)"):
+        load_training_set(config, build_cache(config, target, tokenizer, progress=False))
 
 def test_a_run_resumes_only_with_the_settings_it_was_started_with(tmp_path, tiny_parts, capsys):
     """Rerun with another learning rate, a killed run would go on as a hybrid of two runs, and with

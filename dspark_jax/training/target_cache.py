@@ -417,6 +417,16 @@ def read_manifest(directory) -> dict:
     return _with_spec_defaults(manifest)
 
 
+def answered_names(directory, num_shards: int) -> set[str]:
+    """The ids of the prompts the first ``num_shards`` shards answered, those whose answers were
+    dropped (too short) included."""
+    names = set()
+    for shard in range(num_shards):
+        meta = json.loads((Path(directory) / f"shard-{shard:05d}.json").read_text())
+        names.update(meta["prompt_names"], (d["name"] for d in meta.get("dropped", [])))
+    return names
+
+
 def load_target_cache(directory, num_shards: int | None = None) -> list[CachedSequence]:
     """Every sequence of the cache's first ``num_shards`` shards (default: all), in prompt order.
 

@@ -62,6 +62,7 @@ from dspark_jax.training.target_cache import (
     CachedSequence,
     CacheSpec,
     TargetCacheWriter,
+    answered_names,
     complete_shards,
     load_target_cache,
     teacher_forced,
@@ -555,7 +556,15 @@ def load_training_set(config: TrainConfig, names: list[str]) -> list[CachedSeque
     prompts that a grown cache put in their last shard."""
     wanted = set(names)
     shards = -(-len(names) // config.cache.shard_size)
-    return [s for s in load_target_cache(config.cache_path, shards) if s.name in wanted]
+    sequences = [s for s in load_target_cache(config.cache_path, shards) if s.name in wanted]
+    # The cache is keyed by the prompts' tokens: the same prompts under new ids (an edited
+    # prompts_file) would find no answers and train on fewer sequences without a word.
+    unanswered = sorted(wanted - answered_names(config.cache_path, shards))
+    if unanswered:
+        raise ValueError(f"the target cache {config.cache_path} answered these prompts under other ids "
+                         f"({len(unanswered)} ids it does not know, e.g. {unanswered[:3]}): restore their ids, "
+                         "or give the run another cache_dir")
+    return sequences
 
 
 def prompts_not_trained_on(configs: Sequence[TrainConfig], count: int, *, seed: int, mix) -> list:
