@@ -384,10 +384,11 @@ def cmd_profile(args) -> int:
     from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.eval.bench import machine_info
-    from dspark_jax.scheduler.profile import profile_round_costs, save_cost_tables
+    from dspark_jax.scheduler.profile import cost_table_path, profile_round_costs, save_cost_tables
 
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     check_drafter_arg(args.drafter)
+    cost_table_path(args.out)  # before minutes of profiling, not after
     target, _ = load_target(None)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size),

@@ -120,11 +120,45 @@ def test_calibration_file_round_trip_and_errors(tmp_path):
         (tmp_path / "calibration.json").write_text(json.dumps(body))
         with pytest.raises(ValueError, match=message):
             read_calibrations(tmp_path)
+    # A fit replaces the one for the same setting however that one's sampling was written.
+    (tmp_path / "calibration.json").write_text(json.dumps({"sampled": [
+        {"temperatures": [1.0, 1.0], "sampling": {"temperature": 1.0}},
+        {"temperatures": [1.0, 1.0], "sampling": {"temperature": 0.7, "top_k": 20, "top_p": 0.8}}]}))
+    save_calibration(tmp_path, {**fitted, "biases": [0.5, 0.5]}, t1)
+    assert read_calibrations(tmp_path) == (Calibration((1.0, 1.0), (0.0, 0.0), t07), Calibration(fit[0], (0.5, 0.5), t1))
+    (tmp_path / "calibration.json").write_text(json.dumps({"sampled": [
+        {"temperatures": [1.0], "sampling": {"temperature": 1.0}},
+        {"temperatures": [2.0], "sampling": {"temperature": 1.0, "top_k": 0}}]}))
+    with pytest.raises(ValueError, match=r"calibration.json holds two fits for T=1: keep one"):
+        read_calibrations(tmp_path)
+    (tmp_path / "calibration.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="calibration.json is not a calibration file"):
+        read_calibrations(tmp_path)
     with pytest.raises(ValueError, match="no rounds"):
         fit_calibration(np.zeros((0, 3)), np.zeros(0))
     with pytest.raises(ValueError, match="calibration method"):
         fit_calibration(np.zeros((1, 3)), np.zeros(1), "isotonic")
 
+
+
+def test_collecting_rounds_needs_a_round_that_drafted():
+    from flax import nnx
+
+    from dspark_jax.config import DrafterConfig
+    from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+    from dspark_jax.drafter.model import Drafter
+    from dspark_jax.training.calibrate import collect_rounds
+    from tests.tiny import sharp_tiny_target
+
+    target = sharp_tiny_target()
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 2), mask_token_id=5, block_size=3,
+                                   markov_rank=4)
+    decoder = SpeculativeDecoder(target, Drafter(cfg, rngs=nnx.Rngs(1)), policy=FixedPolicy(3))
+    prompts = [[3, 1, 4], [2, 7]]
+    logits, accepted = collect_rounds(decoder, prompts, max_new_tokens=8, sampling=SamplingConfig(), progress=False)
+    assert logits.shape[1] == 3 and len(logits) == len(accepted) > 0
+    with pytest.raises(ValueError, match="no round drafted in 2 prompts of at most 1 new tokens"):
+        collect_rounds(decoder, prompts, max_new_tokens=1, sampling=SamplingConfig(), progress=False)
 
 def test_heldout_prompts_leave_out_what_a_config_trained_on():
     from dspark_jax.training.calibrate import heldout_prompt_texts

@@ -249,9 +249,10 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
 
 
 
-def test_calibrate_refuses_where_it_could_not_write_before_decoding(tmp_path, monkeypatch, capsys, random_drafter_dir):
+def test_calibrate_and_profile_refuse_where_they_could_not_write_before_working(tmp_path, monkeypatch, capsys, random_drafter_dir):
     """Where the fit cannot be written (a damaged calibration.json it would merge into, a path that
-    is not a writable directory), calibrate says so before loading the model, not minutes later."""
+    is not a writable directory), calibrate says so before loading the model, not minutes later;
+    so does profile, given a directory for its table."""
     import shutil
 
     monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: pytest.fail("loaded the model"))
@@ -262,6 +263,8 @@ def test_calibrate_refuses_where_it_could_not_write_before_decoding(tmp_path, mo
     assert (f"the calibration goes to {drafter}, but {drafter / 'calibration.json'} is not a calibration file"
             in capsys.readouterr().err)
     (drafter / "calibration.json").unlink()
+    assert main(["profile", "--drafter", str(drafter), "--out", str(tmp_path)]) == 2  # profile checks first too
+    assert f"{tmp_path} is a directory: give the cost table a file name" in capsys.readouterr().err
     monkeypatch.setattr("os.access", lambda path, mode: False)  # a read-only directory (the tests run as root)
     assert main(["calibrate", "--drafter", str(drafter)]) == 2
     assert f"but {drafter} is not writable; choose another place with --out-dir" in capsys.readouterr().err

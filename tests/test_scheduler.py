@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,12 @@ import pytest
 
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
-from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, parse_policy
+from dspark_jax.decoding.speculative import (
+    FixedPolicy,
+    SpeculativeDecoder,
+    ThresholdPolicy,
+    parse_policy,
+)
 from dspark_jax.decoding.verify import verify
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.sampling import SamplingParams
@@ -246,18 +252,51 @@ def test_policy_errors_name_the_problem(tmp_path):
     bad.write_text(json.dumps({"format": "something else"}))
     with pytest.raises(ValueError, match="not a dspark-jax-cost-table"):
         load_cost_tables(bad)
-    for tables, problem in (({"1": {"1": 0.1, "01": 0.2}}, "'01' is not a batch size or width"),
+    for tables, problem in (({"1": {"1": 0.1, "01": 0.2}}, "batch 1's width '01' is not a whole number"),
                             ({"1": {"1": True}}, "True is not a number of seconds"),
                             ({"1": {"1": "0.1"}}, "'0.1' is not a number of seconds")):
         bad.write_text(json.dumps({"format": "dspark-jax-cost-table", "version": 1, "tables": tables}))
         with pytest.raises(ValueError, match=problem):
             load_cost_tables(bad)
+    bad.write_text(json.dumps({"format": "dspark-jax-cost-table", "version": "1", "tables": {}}))
+    with pytest.raises(ValueError, match="has version '1'; this code reads version 1"):
+        load_cost_tables(bad)
+    bad.write_bytes(b"\x89PNG\r\n")
+    with pytest.raises(ValueError, match="bad.json is not JSON"):
+        load_cost_tables(bad)
+    with pytest.raises(ValueError, match="is a directory: give the cost table a file name"):
+        save_cost_tables(tmp_path, table)
     path = save_cost_tables(tmp_path / "costs.json", table, note="test")
     assert parse_policy(f"scheduler:{path}") == policy
+    for text in ("scheduler:", "scheduler-ahead: "):  # what "scheduler:$COSTS" gives with $COSTS unset
+        with pytest.raises(ValueError, match="names no cost table after the colon"):
+            parse_policy(text)
     assert parse_policy("scheduler") == SchedulerPolicy()
     assert parse_policy(f"scheduler-ahead:{path}") == dataclasses.replace(policy, plan_ahead=True)
     assert parse_policy("scheduler-ahead") == SchedulerPolicy(plan_ahead=True)
 
+
+
+def test_cost_tables_are_taken_exactly_as_given():
+    """A table is a mapping ``{batch: {width: seconds}}``, as the docstring says, in Python or as
+    JSON gives it ("8"); keys that would silently truncate or merge, and seconds that are not
+    numbers, are refused by name."""
+    table = {1: {1: 0.03, 2: 0.035, 8: 0.05}}
+    assert SchedulerPolicy(costs=table) == SchedulerPolicy.from_tables(table) == SchedulerPolicy.from_tables(
+        {"1": {"1": 0.03, "2": 0.035, "8": 0.05}})
+    for tables, problem in (({1: {2.5: 0.1, 8: 0.2}}, "batch 1's width must be an int, got 2.5"),
+                            ({1.9: {1: 0.1, 8: 0.2}}, "batch size must be an int, got 1.9"),
+                            ({1: {1: 0.1, 8: 0.2}, "1": {1: 0.1, 8: 0.3}}, "batch size 1 has two cost tables"),
+                            ({"1.0": {1: 0.1, 8: 0.2}}, "batch size '1.0' is not a whole number"),
+                            ({1: {1: True, 8: 0.2}}, "batch 1, width 1: True is not a number of seconds"),
+                            ({0: {1: 0.1, 8: 0.2}}, "a cost table for batch size 0: batch sizes are >= 1"),
+                            ([(1, 0.1)], "cost tables map batch sizes to {width: seconds}, got list")):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            SchedulerPolicy.from_tables(tables)
+    with pytest.raises(ValueError, match=r"times \[1, 2, 8\]: time this decoder's widths \(`dspark profile`"):
+        SchedulerPolicy.from_tables(table).check_widths((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="confidence threshold must be a number in"):
+        ThresholdPolicy("0.5")
 
 @pytest.fixture(scope="module")
 def real(embedded_target):
@@ -430,3 +469,9 @@ def test_plain_rounds_skip_the_draft_and_keep_greedy_output(real):
     assert result.plain_rounds > drafted > 0  # it kept probing, and mostly skipped
     assert len(result.confidence_per_round) == drafted
     assert result.plain_rounds <= MAX_PLAIN_ROUNDS * drafted
+
+
+def test_profiling_refuses_a_cache_longer_than_the_target_reads(real):
+    target, drafter, _, _ = real
+    with pytest.raises(ValueError, match="max_len 9000 is past the target's 8192 positions"):
+        profile_round_costs(SpeculativeDecoder(target, drafter), 1, max_len=9000)

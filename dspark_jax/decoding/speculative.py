@@ -86,6 +86,8 @@ class ThresholdPolicy:
     threshold: float
 
     def __post_init__(self):
+        if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float, np.integer, np.floating)):
+            raise ValueError(f"confidence threshold must be a number in [0, 1], got {self.threshold!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"confidence threshold must be in [0, 1], got {self.threshold}")
 
@@ -106,6 +108,9 @@ def parse_policy(text: str):
 
     def scheduler(value, plan_ahead):
         policy = SchedulerPolicy(plan_ahead=plan_ahead)
+        if ":" in text and not value.strip():  # an unset $COSTS in "scheduler:$COSTS" must not profile quietly
+            raise ValueError(f"policy {text!r} names no cost table after the colon: give its file, or "
+                             f"{text.rstrip(': ')!r} to profile this machine at start")
         return policy.with_tables(load_cost_tables(value)) if value else policy
 
     def number(value, kind, convert, example, what="a number"):

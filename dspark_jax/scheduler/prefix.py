@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, as_int
 from dspark_jax.sampling import SamplingParams
 
 
@@ -197,12 +197,44 @@ def next_round_plan(survival_BxG: jax.Array, active_B: jax.Array, widths: Sequen
 PLAIN = 0
 
 
+def cost_tables(tables: Mapping) -> dict[int, dict[int, float]]:
+    """``{batch: {width: seconds}}`` with exact keys (ints, or the decimal strings a JSON file
+    holds: "8", not "08" or "8.0", which would silently merge or truncate) and seconds that are
+    numbers; a ``ValueError`` naming the entry otherwise."""
+
+    def count(key, what: str) -> int:
+        if isinstance(key, str):
+            if key.isdigit() and str(int(key)) == key:
+                return int(key)
+            raise ValueError(f"{what} {key!r} is not a whole number")
+        return as_int(key, what)
+
+    if not isinstance(tables, Mapping):
+        raise ValueError(f"cost tables map batch sizes to {{width: seconds}}, got {type(tables).__name__}")
+    out: dict[int, dict[int, float]] = {}
+    for b, table in tables.items():
+        batch = count(b, "batch size")
+        if batch in out:
+            raise ValueError(f"batch size {batch} has two cost tables")
+        if not isinstance(table, Mapping):
+            raise ValueError(f"the cost table of batch {batch} maps widths to seconds, got {type(table).__name__}")
+        out[batch] = {}
+        for w, value in table.items():
+            width = count(w, f"batch {batch}'s width")
+            if width in out[batch]:
+                raise ValueError(f"batch {batch}'s cost table times width {width} twice")
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise ValueError(f"batch {batch}, width {width}: {value!r} is not a number of seconds")
+            out[batch][width] = float(value)
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerPolicy:
     """Verify lengths from Algorithm 1 over a profiled cost table (``scheduler.profile``).
 
-    ``costs`` maps a batch size to ``{verify width: seconds a round}``; the decoder's batch must
-    be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
+    ``costs`` maps a batch size to ``{verify width: seconds a round}`` (``cost_tables``; kept as a
+    hashable tuple); the decoder's batch must be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
     round that skips the draft, lets the decoder stop drafting while drafts do not pay
     (``plan_next_round``). ``None`` is a policy still to be profiled
     (``scheduler.profile.profiled``; the CLI does it at start). ``calibrations`` (a temperature and
@@ -221,6 +253,8 @@ class SchedulerPolicy:
     plan_ahead: bool = False
 
     def __post_init__(self):
+        if isinstance(self.costs, Mapping):
+            object.__setattr__(self, "costs", _hashable(cost_tables(self.costs)))
         object.__setattr__(self, "calibrations", tuple(self.calibrations))
         if not all(isinstance(c, Calibration) for c in self.calibrations):
             raise ValueError(f"calibrations must be Calibration objects, got {self.calibrations!r}")
@@ -234,7 +268,9 @@ class SchedulerPolicy:
             raise ValueError("a scheduler policy needs a cost table for at least one batch size")
         for batch, table in self.costs or ():
             widths = [w for w, _ in table if w != PLAIN]
-            if batch < 1 or not widths or widths != sorted(set(widths)) or widths[0] < 1:
+            if batch < 1:
+                raise ValueError(f"a cost table for batch size {batch}: batch sizes are >= 1")
+            if not widths or widths != sorted(set(widths)) or widths[0] < 1:
                 raise ValueError(f"cost table for batch {batch}: widths must be distinct, ascending and >= 1, got {widths}")
             if tuple(widths) != self.widths:
                 raise ValueError(f"every batch's cost table must time the same verify widths: {widths} vs {list(self.widths)}")
@@ -248,8 +284,7 @@ class SchedulerPolicy:
 
     def with_tables(self, tables: Mapping[int, Mapping[int, float]]) -> SchedulerPolicy:
         """This policy over the cost tables ``{batch: {width: seconds}}`` (``PLAIN`` for a plain round)."""
-        costs = tuple(sorted((int(b), tuple(sorted((int(w), float(s)) for w, s in t.items()))) for b, t in tables.items()))
-        return dataclasses.replace(self, costs=costs)
+        return dataclasses.replace(self, costs=_hashable(cost_tables(tables)))
 
     @property
     def widths(self) -> tuple[int, ...] | None:
@@ -259,7 +294,8 @@ class SchedulerPolicy:
     def check_widths(self, verify_widths: Sequence[int]) -> None:
         if self.widths is not None and tuple(verify_widths) != self.widths:
             raise ValueError(f"the decoder verifies at widths {list(verify_widths)} but the scheduler's cost table "
-                             f"times {list(self.widths)}; build the decoder with verify_widths={self.widths}")
+                             f"times {list(self.widths)}: time this decoder's widths (`dspark profile`, or "
+                             "scheduler.profile.profile_round_costs on the decoder)")
 
     def check_gamma(self, gamma: int) -> None:
         if self.calibrations and len(self.calibrations[0].temperatures) != gamma:
@@ -319,3 +355,8 @@ class SchedulerPolicy:
         one_draft = seconds[next(i for i, w in enumerate(widths) if w >= 2)]
         # (requests + a) / one_draft > requests / plain, multiplied out as in prefix_lengths.
         return jnp.where(best_first * plain > requests * (one_draft - plain), 0, -1).astype(jnp.int32)
+
+
+def _hashable(tables: dict[int, dict[int, float]]) -> tuple:
+    """``SchedulerPolicy.costs``: the tables as sorted tuples, hashable for the jitted step."""
+    return tuple(sorted((batch, tuple(sorted(table.items()))) for batch, table in tables.items()))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ import numpy as np
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import bucket
 from dspark_jax.sampling import SamplingParams, request_keys
-from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy
+from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy, cost_tables
 
 FORMAT = "dspark-jax-cost-table"
 VERSION = 1
@@ -56,6 +57,9 @@ def profile_round_costs(
     """
     if batch < 1 or repeats < 1 or prompt_len < 1:
         raise ValueError(f"batch, repeats and prompt_len must be >= 1, got {batch}, {repeats}, {prompt_len}")
+    if max_len > decoder.target.cfg.max_position_embeddings:  # generation would refuse this cache length
+        raise ValueError(f"max_len {max_len} is past the target's {decoder.target.cfg.max_position_embeddings} "
+                         "positions")
     widths = decoder.verify_widths
     rounds = (repeats + 1) * (len(widths) + 1)  # one untimed warm-up round per width and the plain one
     if prompt_len + rounds + widths[-1] > max_len:
@@ -100,16 +104,29 @@ def profiled(decoder, batches: Sequence[int] = (1,), **kwargs):
     return decoder.with_policy(policy.with_tables(tables))
 
 
-def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
+def cost_table_path(path) -> Path:
+    """Where ``save_cost_tables`` will write, checked before the profiling (minutes) rather than
+    after: not a directory, and in one this process can write (created if missing)."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: give the cost table a file name (e.g. {path / 'costs.json'})")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write the cost table into {path.parent}")
+    return path
+
+
+def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
+    path = cost_table_path(path)
     body = {
         "format": FORMAT,
         "version": VERSION,
         "tables": {str(b): {str(w): s for w, s in sorted(t.items())} for b, t in sorted(tables.items())},
         **info,
     }
-    path.write_text(json.dumps(body, indent=1) + "\n")
+    partial = path.with_name(path.name + ".tmp")  # a kill mid-write leaves any earlier table whole
+    partial.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(partial, path)
     return path
 
 
@@ -122,27 +139,18 @@ def load_cost_tables(path) -> dict[int, dict[int, float]]:
         raise FileNotFoundError(f"cost table {path} does not exist (write one with `dspark profile --out {path}`)")
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"cost table {path} is not JSON ({error})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} file")
     if raw.get("version") != VERSION:
-        raise ValueError(f"{path} has version {raw.get('version')}; this code reads version {VERSION}")
-
-    def count(key: str) -> int:  # "1" and "01" would silently merge: only the form save_cost_tables writes
-        if not (isinstance(key, str) and key.isdigit() and str(int(key)) == key):
-            raise ValueError(f"{key!r} is not a batch size or width")
-        return int(key)
-
-    def seconds(value) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{value!r} is not a number of seconds")
-        return float(value)
-
+        raise ValueError(f"{path} has version {raw.get('version')!r}; this code reads version {VERSION}")
+    if "tables" not in raw:
+        raise ValueError(f"{path} has no 'tables'")
     try:
-        return {count(b): {count(w): seconds(s) for w, s in t.items()} for b, t in raw["tables"].items()}
-    except (KeyError, AttributeError, TypeError, ValueError) as error:
-        raise ValueError(f"{path}: 'tables' must map batch sizes to {{width: seconds}} ({error})") from None
+        return cost_tables(raw["tables"])
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def policy_summary(policy: SchedulerPolicy) -> dict:

@@ -185,6 +185,9 @@ def collect_rounds(decoder, prompts: Sequence[Sequence[int]], *, max_new_tokens:
                                   seeds=list(range(seed + start, seed + start + len(chunk))), stop_ids=stop_ids)
         logits.extend(result.confidence_per_round)
         accepted.extend(result.accepted_per_round)
+    if not logits:  # every request ended before a round drafted
+        raise ValueError(f"no round drafted in {len(prompts)} prompts of at most {max_new_tokens} new tokens: "
+                         "nothing to calibrate on; give more prompts or more new tokens")
     return np.concatenate(logits), np.concatenate(accepted)
 
 
@@ -203,6 +206,8 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
     the fits for other samplings."""
     import dataclasses
 
+    from dspark_jax.config import SamplingConfig
+
     path = check_calibration_dir(directory)
     body = json.loads(path.read_text()) if path.is_file() else {}
     mode = mode_of(sampling.greedy)
@@ -210,7 +215,10 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
     if mode == "greedy":
         body[mode] = entry
     else:
-        body[mode] = [e for e in _entries(body, mode) if e.get("sampling") != entry["sampling"]] + [entry]
+        def fitted_on(e):  # as a setting, not a dict: {"temperature": 1.0} is T = 1 without top-k or top-p too
+            return None if e.get("sampling") is None else SamplingConfig(**e["sampling"])
+
+        body[mode] = [e for e in _entries(body, mode) if fitted_on(e) != sampling] + [entry]
     # Written whole or not at all: a half-written file would stop the drafter from loading.
     partial = path.with_name(path.name + ".tmp")
     partial.write_text(json.dumps(body, indent=1) + "\n")
@@ -245,7 +253,7 @@ def read_calibrations(directory) -> tuple:
     try:
         body = json.loads(path.read_text())
         entries = [(mode, entry) for mode in MODES for entry in _entries(body, mode)]
-    except (json.JSONDecodeError, AttributeError, TypeError) as error:
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as error:
         raise ValueError(f"{path} is not a calibration file ({error})") from None
     calibrations = []
     for mode, entry in entries:
@@ -265,5 +273,8 @@ def read_calibrations(directory) -> tuple:
             raise ValueError(f"{path}: '{mode}.sampling' is not a sampling setting ({error})") from None
         if sampling is not None and mode_of(sampling.greedy) != mode:
             raise ValueError(f"{path}: a '{mode}' entry fitted on {mode_of(sampling.greedy)} decoding")
+        if any(c.sampling == sampling for c in calibrations):
+            raise ValueError(f"{path} holds two fits for {'any sampling' if sampling is None else sampling.describe()}: "
+                             "keep one")
         calibrations.append(Calibration(temperatures, biases, sampling))
     return tuple(calibrations)
