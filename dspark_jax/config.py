@@ -297,7 +297,7 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary")
         try:
-            target.check_tap_layers(self.tap_layers)
+            check_tap_layers(self.tap_layers, target.num_layers)  # a protocol target's cfg need not be a TargetConfig
         except ValueError as error:
             problems.append(str(error))
         if target.num_layers - 1 in self.tap_layers:
