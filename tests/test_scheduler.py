@@ -327,7 +327,7 @@ def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real, plan_ahead)
     assert len(set(lengths.tolist())) > 1, "the scheduler never varied the verify length"
     # A steeper curve for one row than for four: the single request verifies less.
     assert np.concatenate(alone.verify_lengths).mean() < lengths.mean()
-    with pytest.raises(ValueError, match="verify_widths"):
+    with pytest.raises(ValueError, match=r"verifies at widths \[1, 8\] but the scheduler's cost table times \[1, 2, 4, 8\]"):
         SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs), verify_widths=(1, 8))
     with pytest.raises(ValueError, match="a calibration of 3 positions for a drafter of γ=7"):
         decoder.with_policy(SchedulerPolicy.from_tables(costs, [Calibration((1.0,) * 3, (0.0,) * 3)]))
