@@ -123,6 +123,27 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
             raise ValueError(f"{path}:{number}: not UTF-8 ({error})") from None
 
 
+def jsonl_objects(path, what: str) -> Iterator[tuple[int, str, dict]]:
+    """``(line number, "path:line", object)`` for each non-blank line of a JSONL file of ``what`` (e.g. "request");
+    a missing file, or a line that is not a JSON object, is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {path} does not exist")
+    for number, line in jsonl_lines(path):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line, parse_constant=_not_a_json_number)
+        except ValueError as error:  # a JSONDecodeError, or an integer of more digits than Python reads
+            raise ValueError(f"{where}: not JSON ({error})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: not JSON (nested too deeply)") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        yield number, where, record
+
+
 def _sampling(record: dict, where: str, sampling: SamplingConfig) -> SamplingConfig:
     """``sampling`` with the fields ``record`` gives of its own."""
     own = {}
@@ -148,22 +169,8 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
     """Parse and tokenize every request of a JSONL file; any bad line is a ``ValueError`` naming it.
     ``sampling`` (default greedy) and ``seed + index`` serve the requests that do not give their own."""
     sampling = SamplingConfig() if sampling is None else sampling
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"request file {path} does not exist")
     requests, seen = [], {}
-    for number, line in jsonl_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line, parse_constant=_not_a_json_number)
-        except ValueError as error:  # a JSONDecodeError, or an integer of more digits than Python reads
-            raise ValueError(f"{where}: not JSON ({error})") from None
-        except RecursionError:
-            raise ValueError(f"{where}: not JSON (nested too deeply)") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    for number, where, record in jsonl_objects(path, "request"):
         unknown = sorted(set(record) - set(PROMPT_KEYS) - set(OPTIONAL_KEYS))
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; a request has one of {list(PROMPT_KEYS)} and "

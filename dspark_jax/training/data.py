@@ -1581,21 +1581,11 @@ def read_jsonl(path: str | Path) -> list[TrainingPrompt]:
     wrote), one object a line: ``text`` (the user turn), and optionally ``id`` (default
     ``line-NNNNNN``, its line number) and ``domain`` (default ``custom``). Ids are unique, since the
     target cache names each answer by its prompt's id. A line that is not one is named by path:line."""
-    from dspark_jax.decoding.batch_job import jsonl_lines
+    from dspark_jax.decoding.batch_job import jsonl_objects
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompts file {path} does not exist")
     prompts, lines = [], {}
-    for number, line in jsonl_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            raise ValueError(f"{where}: not JSON ({error})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str) or not record["text"].strip():
+    for number, where, record in jsonl_objects(path, "prompts"):
+        if not isinstance(record.get("text"), str) or not record["text"].strip():
             raise ValueError(f"{where}: a training prompt is a JSON object with a non-empty string 'text'")
         unknown = sorted(set(record) - {"id", "domain", "text"})
         if unknown:
