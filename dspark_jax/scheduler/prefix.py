@@ -234,10 +234,10 @@ class SchedulerPolicy:
     """Verify lengths from Algorithm 1 over a profiled cost table (``scheduler.profile``).
 
     ``costs`` maps a batch size to ``{verify width: seconds a round}`` (``cost_tables``; kept as a
-    hashable tuple); the decoder's batch must be in it and its verify widths must be the table's. A ``PLAIN`` (0) entry, the seconds of a
-    round that skips the draft, lets the decoder stop drafting while drafts do not pay
-    (``plan_next_round``). ``None`` is a policy still to be profiled
-    (``scheduler.profile.profiled``; the CLI does it at start). ``calibrations`` (a temperature and
+    hashable tuple); the decoder's batch must be in it and its verify widths must be the table's.
+    A ``PLAIN`` (0) entry, the seconds of a round that skips the draft, lets the decoder stop
+    drafting while drafts do not pay (``plan_next_round``). ``None`` is a policy still to be
+    profiled (``scheduler.profile.profiled``; the CLI does it at start). ``calibrations`` (a temperature and
     a bias per draft slot, one set per way of decoding) calibrate the confidence head, each request
     by the one for its own sampling (``calibration_index``); none: ``σ(z)``.
 
