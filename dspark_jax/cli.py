@@ -111,7 +111,6 @@ def _decode_tok_s(result) -> float:
 
 
 def cmd_generate(args) -> int:
-    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 
     if not args.prompt:
@@ -119,7 +118,7 @@ def cmd_generate(args) -> int:
     if args.policy is not None and args.drafter is None:
         raise SystemExit("--policy needs --drafter")
     policy = parse_policy_arg(args.policy)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from_args(args)
     if args.drafter is not None:
         check_drafter_arg(args.drafter)
     target, tokenizer = load_target(args.checkpoint)
@@ -161,7 +160,6 @@ def cmd_batch(args) -> int:
     import numpy as np
 
     from dspark_jax import multihost
-    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding import batch_job
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
     from dspark_jax.scheduler.prefix import SchedulerPolicy
@@ -176,7 +174,7 @@ def cmd_batch(args) -> int:
                              f"--batch-size {args.batch_size} is not a multiple of {len(devices)}")
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
     policy = parse_policy_arg(args.policy)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from_args(args)
     if args.drafter is not None:
         check_drafter_arg(args.drafter)
     # Every process checks that the output is this job's before any work starts.
@@ -250,12 +248,11 @@ def _yes_no(identical) -> str:
 
 
 def cmd_bench(args) -> int:
-    from dspark_jax.config import SamplingConfig
     from dspark_jax.drafters import DEFAULT
     from dspark_jax.eval.compare import Comparison, make_decoder, read_prompts_jsonl, summarize
 
     policy = parse_policy_arg(args.policy)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from_args(args)
     if args.prompts_file:
         try:
             texts = read_prompts_jsonl(args.prompts_file, args.prompts)
@@ -381,12 +378,11 @@ def cmd_convert(args) -> int:
 
 def cmd_profile(args) -> int:
     """Time a round at every verify width for each batch size: the scheduler's cost table."""
-    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.scheduler.profile import cost_table_path, profile_round_costs, save_cost_tables
 
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from_args(args)
     check_drafter_arg(args.drafter)
     cost_table_path(args.out)  # before minutes of profiling, not after
     target, _ = load_target(None)
@@ -407,12 +403,11 @@ def cmd_profile(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Fit the confidence head's calibration on held-out prompts and store it next to the drafter's weights."""
-    from dspark_jax.config import SamplingConfig
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.training import calibrate
 
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    sampling = sampling_from_args(args)
     check_drafter_arg(args.drafter)
     directory = Path(args.out_dir) if args.out_dir else resolve_drafter(args.drafter)[1]
     if args.out_dir:
@@ -514,6 +509,29 @@ POLICY_HELP = ("verify lengths: fixed:K (K drafts per round), threshold:X (confi
                "last); default: the decoder's (fixed:7)")
 
 
+def add_sampling_arguments(parser, temperature_help: str, *, seed_help: str | None | bool) -> None:
+    """--temperature, --top-k, --top-p (read back by ``sampling_from_args``) and, unless
+    ``seed_help`` is False, --seed."""
+    parser.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    if seed_help is not False:
+        parser.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
+def sampling_from_args(args):
+    from dspark_jax.config import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def add_model_arguments(parser) -> None:
+    """The target and, for speculative decoding, the drafter and its policy."""
+    parser.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    parser.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
+    parser.add_argument("--policy", default=None, help=POLICY_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dspark_jax.training.calibrate import METHODS as CALIBRATION_METHODS  # numpy only: cheap
 
@@ -531,13 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
-    gen.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
-    gen.add_argument("--policy", default=None, help=POLICY_HELP)
+    add_sampling_arguments(gen, "0 = greedy", seed_help=None)
+    add_model_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     batch = sub.add_parser("batch", help="generate for every request of a JSONL file, continuously batched; resumes if killed")
@@ -555,13 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split every batch over all of this host's devices (the batch size a multiple of their count)")
     batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')
     batch.add_argument("--max-new-tokens", type=positive_int, default=256)
-    batch.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; a request's own value wins")
-    batch.add_argument("--top-k", type=int, default=0, help="0 = off")
-    batch.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    batch.add_argument("--seed", type=int, default=0, help="request i samples with seed + i unless it gives its own")
-    batch.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
-    batch.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
-    batch.add_argument("--policy", default=None, help=POLICY_HELP)
+    add_sampling_arguments(batch, "0 = greedy; a request's own value wins",
+                           seed_help="request i samples with seed + i unless it gives its own")
+    add_model_arguments(batch)
     batch.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_process_arguments(batch, "the output")
     batch.set_defaults(func=cmd_batch)
@@ -573,10 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts-file", default=None,
                        help='jsonl, one {"turns": [...]} per line, first turn used (default: the demo prompts)')
     bench.add_argument("--max-new-tokens", type=positive_int, default=64)
-    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs must then be identical)")
-    bench.add_argument("--top-k", type=int, default=0, help="0 = off")
-    bench.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    bench.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(bench, "0 = greedy (outputs must then be identical)", seed_help=None)
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)
 
@@ -593,10 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "1 2 4 for γ = 7; the full-block width γ + 1 is always added)")
     prof.add_argument("--max-len", type=positive_int, default=256, help="cache length to time with (default 256)")
     prof.add_argument("--repeats", type=positive_int, default=10, help="timed rounds per width; the median counts")
-    prof.add_argument("--temperature", type=float, default=0.0,
-                      help="decode the timed rounds with this sampling (default greedy): sampled rounds cost more")
-    prof.add_argument("--top-k", type=int, default=0)
-    prof.add_argument("--top-p", type=float, default=1.0)
+    add_sampling_arguments(prof, "decode the timed rounds with this sampling (default greedy): sampled rounds cost "
+                                 "more", seed_help=False)
     prof.add_argument("--out", required=True, help="JSON cost table to write")
     prof.set_defaults(func=cmd_profile)
 
@@ -611,10 +615,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--exclude-config", action="append", default=[], metavar="CONFIG",
                      help="a training config (configs/NAME.py) whose prompts are left out; repeatable")
     cal.add_argument("--max-new-tokens", type=positive_int, default=96)
-    cal.add_argument("--temperature", type=float, default=0.0, help="0 = calibrate for greedy decoding")
-    cal.add_argument("--top-k", type=int, default=0)
-    cal.add_argument("--top-p", type=float, default=1.0)
-    cal.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(cal, "0 = calibrate for greedy decoding", seed_help=None)
     cal.add_argument("--method", choices=CALIBRATION_METHODS, default=CALIBRATION_METHODS[0],
                      help="platt: a temperature and a bias per position, by log loss (default); "
                           "sts: the paper's sequential temperature scaling, temperatures by ECE")
