@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
         check_drafter_arg(args.drafter)
     target, tokenizer = load_target(args.checkpoint)
     ids = _encode(tokenizer, args.prompt, args.chat)
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stops = tokenizer.stop_ids
     if args.drafter is not None:
         from dspark_jax.eval.compare import make_decoder
 
@@ -191,7 +191,7 @@ def cmd_batch(args) -> int:
         own_requests = multihost.share(requests)
         if not own_requests:
             raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
-        stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        stops = tokenizer.stop_ids
         costs = None
         if args.drafter is not None:
             from dspark_jax.eval.compare import make_decoder
@@ -270,7 +270,7 @@ def cmd_bench(args) -> int:
     print(f"target-only vs speculative decoding, drafter {_describe(name, drafter, decoder)}; "
           f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {sampling.describe()}")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
-                            stop_ids=[tokenizer.eos_token_id], sampling=sampling)
+                            stop_ids=tokenizer.stop_ids, sampling=sampling)
     compile_s = comparison.prepare([len(p) for p in prompts])
     print(f"compiled + warmed up before timing: target-only {compile_s['target_only']:.1f} s, "
           f"speculative {compile_s[name]:.1f} s")
@@ -310,7 +310,7 @@ def cmd_demo(args) -> int:
           f"loaded in {time.perf_counter() - start:.1f} s")
     generator = AutoregressiveGenerator(target)
     prompts = [_encode(tokenizer, p, chat=True) for p in DEMO_PROMPTS]
-    stops = [tokenizer.eos_token_id]
+    stops = tokenizer.stop_ids
     max_len = generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens)
 
     shipped = is_shipped(DEFAULT)
@@ -348,7 +348,7 @@ def _demo_side_by_side(args, target, tokenizer, prompts) -> None:
     print(f"\n== target-only vs DSpark ({_describe(name, drafter, decoder)}), greedy, one request at "
           f"a time (B=1), {args.max_new_tokens} new tokens max")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
-                            stop_ids=[tokenizer.eos_token_id])
+                            stop_ids=tokenizer.stop_ids)
     comparison.prepare([len(p) for p in prompts])
     base_s = spec_s = 0.0
     for text, run in zip(DEMO_PROMPTS, comparison.run(prompts)):
@@ -429,7 +429,7 @@ def cmd_calibrate(args) -> int:
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
     logits, accepted = calibrate.collect_rounds(
         decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-        stop_ids=[tokenizer.eos_token_id], seed=args.seed)
+        stop_ids=tokenizer.stop_ids, seed=args.seed)
     fitted = calibrate.fit_calibration(logits, accepted, args.method)
     path = calibrate.save_calibration(directory, fitted, sampling, drafter=name, prompts=args.prompts,
                                       data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,

@@ -24,6 +24,18 @@ from tokenizers import processors
 from dspark_jax.config import read_json
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' templates use to mark the
+    assistant's tokens for training masks: here its body is simply rendered."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
@@ -33,7 +45,7 @@ def _compile_template(source: str) -> jinja2.Template:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -74,10 +86,15 @@ class Tokenizer:
         chat_template: str | None = None,
         named_chat_templates: Sequence[str] = (),
         add_bos_token: bool = False,
+        end_of_turn_ids: Sequence[int] = (),
     ):
         self.backend = tokenizer
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        # Tokens besides EOS that end a model's answer (generation_config.json's eos_token_id list,
+        # a GGUF's end-of-turn token): a model whose EOS is <|endoftext|> ends a chat turn with
+        # <|im_end|>, and decoding past it runs on into an invented next turn.
+        self.end_of_turn_ids = tuple(int(i) for i in end_of_turn_ids if i != eos_token_id)
         self.pad_token_id = pad_token_id
         self.unk_token_id = unk_token_id
         self.chat_template = chat_template
@@ -87,18 +104,29 @@ class Tokenizer:
         if add_bos_token:  # where the post-processor does not already
             self._add_bos_to_plain_text()
 
+    @property
+    def stop_ids(self) -> list[int]:
+        """The tokens that end an answer: EOS and the model's end-of-turn tokens."""
+        return ([] if self.eos_token_id is None else [self.eos_token_id]) + list(self.end_of_turn_ids)
+
     @classmethod
     def from_directory(cls, directory: str | os.PathLike) -> Tokenizer:
-        """Read an HF tokenizer directory the way transformers 5 does: ``tokenizer.json``, the
-        special tokens of ``tokenizer_config.json`` overridden by ``special_tokens_map.json``, and
-        the chat template from ``chat_template.jinja``, else ``tokenizer_config.json`` (a string,
-        or a list of named templates of which "default" is used). ``add_bos_token: true`` in the
-        config adds BOS to plain text where the post-processor does not already."""
+        """Read an HF tokenizer directory the way transformers does: ``tokenizer.json``; the
+        special tokens of ``tokenizer_config.json``, overridden by ``special_tokens_map.json`` only
+        in a config without ``added_tokens_decoder`` (one older than transformers 4.34, whose
+        special tokens lived in the map); the chat template from ``chat_template.jinja``, else
+        ``tokenizer_config.json`` (a string, or a list of named templates of which "default" is
+        used); and the stop tokens of ``generation_config.json`` (``eos_token_id``, an id or a
+        list), which ``generate`` stops at as transformers' does. ``add_bos_token: true`` in the
+        config adds BOS to plain text where the post-processor does not already, as the Llama
+        tokenizers of transformers do (its generic tokenizer class follows the post-processor
+        alone)."""
         directory = Path(directory)
         if not (directory / "tokenizer.json").exists():
             raise ValueError(f"{directory} has no tokenizer.json; cannot turn text into tokens")
         config = read_json(directory / "tokenizer_config.json", default={})
-        special = {**config, **read_json(directory / "special_tokens_map.json", default={})}
+        special = config if "added_tokens_decoder" in config else {
+            **config, **read_json(directory / "special_tokens_map.json", default={})}
         try:
             backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
         except Exception as error:  # the tokenizers library raises a bare Exception for a damaged file
@@ -111,6 +139,13 @@ class Tokenizer:
             return None if token is None else backend.token_to_id(token)
 
         template, named = _chat_templates(directory, config)
+        generation = read_json(directory / "generation_config.json", default={})
+        stops = generation.get("eos_token_id") if isinstance(generation, dict) else None
+        stops = [stops] if isinstance(stops, int) else stops or []
+        if not (isinstance(stops, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                                and 0 <= i < backend.get_vocab_size() for i in stops)):
+            raise ValueError(f"{directory / 'generation_config.json'}: eos_token_id must be a token id or a list "
+                             f"of them, got {generation.get('eos_token_id')!r}")
         return cls(
             backend,
             bos_token_id=token_id("bos_token"),
@@ -120,6 +155,7 @@ class Tokenizer:
             chat_template=template,
             named_chat_templates=named,
             add_bos_token=bool(config.get("add_bos_token", False)),
+            end_of_turn_ids=stops,
         )
 
     def _add_bos_to_plain_text(self) -> None:
@@ -141,7 +177,8 @@ class Tokenizer:
         return self.bos_token_id is not None and ids[:1] == [self.bos_token_id]
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write ``tokenizer.json`` and ``tokenizer_config.json``, what ``from_directory`` reads."""
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and, where there are stop tokens
+        besides EOS, ``generation_config.json``: what ``from_directory`` reads."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / "tokenizer.json"))
@@ -149,6 +186,8 @@ class Tokenizer:
         # that go by the config (transformers 4's Llama tokenizers).
         config = {**self.special_tokens_map, "chat_template": self.chat_template, "add_bos_token": self.add_bos_token}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+        if self.end_of_turn_ids:  # where transformers' generate finds the stop tokens too
+            (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": self.stop_ids}, indent=2))
 
     @property
     def vocab_size(self) -> int:
@@ -184,16 +223,23 @@ class Tokenizer:
         if not self.chat_template:
             named = f" (only named ones: {', '.join(self.named_chat_templates)})" if self.named_chat_templates else ""
             raise ValueError(f"this tokenizer has no default chat template{named}; pass a plain prompt instead")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
         for m in messages:
-            if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                raise ValueError(f"chat messages need 'role' and 'content' keys, got {m!r}")
-        return _compile_template(self.chat_template).render(
-            messages=[dict(m) for m in messages],
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **self.special_tokens_map,
-        )
+            if not isinstance(m, Mapping) or "role" not in m:
+                raise ValueError(f"chat messages are mappings with a 'role' key, got {m!r}")
+        try:
+            return _compile_template(self.chat_template).render(
+                # Keys set to None are left out, as transformers does: a template testing
+                # ``message.content is defined`` sees a tool-call turn without content as such.
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens_map,
+            )
+        except jinja2.TemplateError as error:  # the template refused the conversation, or does not parse
+            raise ValueError(f"the chat template: {error}") from None
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True

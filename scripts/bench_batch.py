@@ -71,7 +71,7 @@ def main(argv=None) -> dict:
     target, tokenizer = load_embedded_target()
     prompts = prompts_from(Path(args.benchmarks), args.sets, args.per_set, tokenizer)
     generator = AutoregressiveGenerator(target)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=[tokenizer.eos_token_id], batch_size=args.batch_size,
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, batch_size=args.batch_size,
                   max_len=generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens))
     runs, tokens = [], {}
     for round_index in range(args.rounds):

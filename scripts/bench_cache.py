@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"the config gives {len(ids)} prompts, fewer than {count}")
         return ids[:count]
 
-    writer = TargetCacheWriter(target, spec, tempfile.mkdtemp(), stop_ids=[tokenizer.eos_token_id])
+    writer = TargetCacheWriter(target, spec, tempfile.mkdtemp(), stop_ids=tokenizer.stop_ids)
     compare = compare_forwards if args.compare == "forwards" else compare_batching
     result = {"config": str(args.config), **compare(args, writer, prompts), "machine": machine_info()}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     started, load_start = time.time(), os.getloadavg()
     target, tokenizer = load_embedded_target()
-    stops = [tokenizer.eos_token_id]
+    stops = tokenizer.stop_ids
     prompts = interleaved_prompts(Path(args.benchmarks), max(args.batches) * args.batches_per_size, tokenizer)
     limit = target.cfg.max_position_embeddings
     max_len_ar = cache_len([len(p) for p in prompts], args.max_new_tokens, limit)

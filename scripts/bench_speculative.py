@@ -217,7 +217,7 @@ def main(argv=None) -> int:
                 print(f"note: {name}: {note}", file=sys.stderr)
 
     comparison = Comparison(target, decoders, max_new_tokens=args.max_new_tokens,
-                            stop_ids=[tokenizer.eos_token_id], sampling=sampling)
+                            stop_ids=tokenizer.stop_ids, sampling=sampling)
     lens = [len(ids) for d in domains.values() for ids in d["ids"]]
     total = args.seeds * sum(len(d["ids"]) for d in domains.values())
     with tqdm(total=total + 1, desc="bench_speculative", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
             "repeats": args.repeats,
             "batch": 1,
             "policy_requested": args.policy,
-            "stop_ids": [tokenizer.eos_token_id],
+            "stop_ids": tokenizer.stop_ids,
             "prompt": "first turn, user message in the chat template",
             "cache_len": {"target_only": comparison.max_len_ar, "speculative": comparison.max_len_spec},
         },

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
     logits, accepted = collect_rounds(decoder, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                      stop_ids=[tokenizer.eos_token_id], seed=args.seed)
+                                      stop_ids=tokenizer.stop_ids, seed=args.seed)
     labels = prefix_labels(accepted, logits.shape[1])
     gamma = logits.shape[1]
     scores = {"raw": score(calibrated(logits, [1.0] * gamma, [0.0] * gamma), labels)}

@@ -289,7 +289,7 @@ def main(argv=None) -> int:
                 chains = jax.jit(lambda batch, drafter=drafter: greedy_chains(drafter, embed, head, batch))
                 r["replay"], replayed[name] = replay_by_domain(
                     chains, heldout, gamma=drafter.cfg.block_size, max_new_tokens=args.replay,
-                    stop_ids=[tokenizer.eos_token_id])
+                    stop_ids=tokenizer.stop_ids)
                 kinds[name] = drafter.cfg.kind
                 line += f"  replayed greedy decoding τ {r['replay']['tau']:.3f}"
             print(line)

@@ -116,12 +116,12 @@ def windowed_copy(directory: Path, window: int, scratch: Path) -> Path:
     return copy
 
 
-def committed_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_id: int) -> list[list[list[int]]]:
+def committed_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, stop_ids: list[int]) -> list[list[list[int]]]:
     """Per prompt, per bucket of answer positions: the tokens committed by each round starting there."""
     buckets = max_new_tokens // bucket
     per_prompt = []
     for ids in prompts:
-        out = decoder.generate([ids], max_new_tokens=max_new_tokens, stop_ids=[stop_id])
+        out = decoder.generate([ids], max_new_tokens=max_new_tokens, stop_ids=stop_ids)
         committed = [[] for _ in range(buckets)]
         position = 1  # the prefill emitted the answer's first token
         for tokens in out.committed_per_round:
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
             drafter = load_drafter(directory, target=target.cfg)
             decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
             committed = {domain: committed_by_bucket(decoder, ids, max_new_tokens=args.max_new_tokens,
-                                                   bucket=args.bucket, stop_id=tokenizer.eos_token_id)
+                                                   bucket=args.bucket, stop_ids=tokenizer.stop_ids)
                         for domain, ids in prompts.items()}
             results[label] = {
                 "sliding_window": drafter.cfg.sliding_window,

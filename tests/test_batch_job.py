@@ -1,6 +1,7 @@
 """``dspark batch``: a JSONL of requests answered into a JSONL of completions, resumable, on one
 device, split over eight, or shared by two processes."""
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -158,6 +159,16 @@ def test_a_derived_seed_out_of_range_is_named(tmp_path, embedded_target):
     assert [r.seed for r in read_requests(path, embedded_target[1], seed=2**63 - 2)] == [2**63 - 2, 2**63 - 1]
     with pytest.raises(ValueError, match=rf"^{path}:2: .*must fit in a signed 64-bit integer"):
         read_requests(path, embedded_target[1], seed=2**63 - 1)
+
+
+def test_a_conversation_the_chat_template_refuses_is_named(tmp_path, embedded_target):
+    tokenizer = copy.copy(embedded_target[1])
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first turn is the "
+                               "user') }}{% endif %}{{ messages[0]['content'] }}")
+    path = write_requests(tmp_path / "r.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                                 {"messages": [{"role": "assistant", "content": "hi"}]}])
+    with pytest.raises(ValueError, match=rf"^{path}:2: the chat template: the first turn is the user$"):
+        read_requests(path, tokenizer)
 
 
 def test_repeated_ids_and_empty_files_are_refused(tmp_path, embedded_target):

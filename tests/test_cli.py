@@ -1,6 +1,7 @@
 """The `dspark` command line on the embedded target, and the speculative benchmark script."""
 
 import contextlib
+import copy
 import importlib.util
 import io
 import json
@@ -27,6 +28,20 @@ def test_generate_prints_text_and_speed(target_only_france):
     out, err = target_only_france
     assert "Paris" in out
     assert "tokens/s" in err and "compile" in err
+
+
+def test_generate_stops_at_the_models_end_of_turn_tokens(capsys, monkeypatch, embedded_target, target_only_france):
+    """A model whose generation_config lists stop tokens besides EOS ends there (here " Paris",
+    made a stop token, ends the answer a token early)."""
+    target, tokenizer = embedded_target
+    [paris] = tokenizer.encode(" Paris", add_bos=False)
+    stopping = copy.copy(tokenizer)
+    stopping.end_of_turn_ids = (paris,)
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: (target, stopping))
+    assert main(["generate", *FRANCE]) == 0
+    out, err = capsys.readouterr()
+    assert "Paris." in target_only_france[0], "without it the answer goes on past Paris"
+    assert out.strip().endswith("is Paris") and "finish=stop" in err
 
 
 def test_bad_sampling_arguments_are_clear_errors(capsys):

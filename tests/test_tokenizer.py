@@ -68,7 +68,53 @@ def test_the_config_and_the_special_tokens_map_name_the_special_tokens(tmp_path)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 2)
     assert tokenizer.render_chat(HELLO).startswith(BOS), "the template sees bos_token"
     overridden = tokenizer_dir(tmp_path / "both", files={"special_tokens_map.json": {"eos_token": "<|end_of_text|>"}})
-    assert Tokenizer.from_directory(overridden).eos_token_id == 1, "the map wins, as in transformers"
+    assert Tokenizer.from_directory(overridden).eos_token_id == 1, "an older config: the map wins, as in transformers"
+    added = {str(i): {"content": t, "special": True} for i, t in enumerate([BOS, "<|end_of_text|>", EOS])}
+    current = tokenizer_dir(tmp_path / "current", config={"added_tokens_decoder": added},
+                            files={"special_tokens_map.json": {"eos_token": "<|end_of_text|>"}})
+    assert Tokenizer.from_directory(current).eos_token_id == 2, \
+        "a config with added_tokens_decoder (transformers >= 4.34) wins over a stale map, as in transformers"
+
+
+def test_stop_tokens_are_eos_and_the_generation_configs(tmp_path):
+    plain = Tokenizer.from_directory(tokenizer_dir(tmp_path / "plain"))
+    assert plain.stop_ids == [2]
+    # A model whose EOS is <|end_of_text|> but whose chat turns end with <|eot_id|> (Llama 3, Qwen).
+    listed = tokenizer_dir(tmp_path / "listed", config={"eos_token": "<|end_of_text|>"},
+                           files={"generation_config.json": {"eos_token_id": [1, 2]}})
+    tokenizer = Tokenizer.from_directory(listed)
+    assert (tokenizer.eos_token_id, tokenizer.stop_ids) == (1, [1, 2])
+    tokenizer.save(tmp_path / "saved")
+    assert Tokenizer.from_directory(tmp_path / "saved").stop_ids == [1, 2], "a save keeps the stop tokens"
+    one = tokenizer_dir(tmp_path / "one", files={"generation_config.json": {"eos_token_id": 1}})
+    assert Tokenizer.from_directory(one).stop_ids == [2, 1]
+    for bad in ("2", [2, None], 10_000, True):
+        wrong = tokenizer_dir(tmp_path / f"bad{bad!r}", files={"generation_config.json": {"eos_token_id": bad}})
+        with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id"):
+            Tokenizer.from_directory(wrong)
+
+
+def test_chat_templates_render_as_in_transformers_and_their_errors_are_value_errors(tmp_path):
+    tokenizer = Tokenizer.from_directory(tokenizer_dir(tmp_path))
+    with pytest.raises(ValueError, match="empty conversation"):
+        tokenizer.render_chat([])
+    with pytest.raises(ValueError, match="'role' key"):
+        tokenizer.render_chat([{"content": "hello"}])
+    # transformers' training templates mark the assistant's part with {% generation %}.
+    marked = "{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+    # A turn's None keys are left out, so ``is defined`` sees a tool-call turn without content.
+    defined = "{% for m in messages %}{{ m.role }}:{% if m.content is defined %}{{ m.content }}{% endif %};{% endfor %}"
+    refusing = "{{ raise_exception('Conversation roles must alternate') }}"
+    for template, expected in ((marked, "[hello]"), (defined, "user:hello;assistant:;"),
+                               (refusing, ValueError("the chat template: Conversation roles must alternate")),
+                               ("{% if %}", ValueError("the chat template: Expected an expression"))):
+        tokenizer.chat_template = template
+        conversation = HELLO + [{"role": "assistant", "content": None}] if template is defined else HELLO
+        if isinstance(expected, Exception):
+            with pytest.raises(ValueError, match=str(expected)):
+                tokenizer.render_chat(conversation)
+        else:
+            assert tokenizer.render_chat(conversation) == expected
 
 
 def test_the_chat_template_comes_from_the_jinja_file_or_the_configs_default(tmp_path):
@@ -121,3 +167,25 @@ def test_a_gguf_vocabulary_without_merges_loads(tmp_path):
     writer.close()
     tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
     assert tokenizer.encode("ab a") == [0, 1, 2, 3, 1]
+
+
+def test_gguf_end_of_turn_and_user_defined_tokens(tmp_path):
+    """llama.cpp writes a model's end-of-turn token as ``eot_token_id`` and its added tokens that
+    are not special (a ``<tool>`` marker) as USER_DEFINED: a stop token, and text kept on decode."""
+    tokens = ["<s>", "</s>", "<|eot|>", "<tool>", "a", "b", "Ġ"]
+    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.NORMAL] * 3
+    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_eot_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+    assert tokenizer.stop_ids == [1, 2]
+    ids = tokenizer.encode("a<tool>b</s>")
+    assert ids == [4, 3, 5, 1]
+    assert tokenizer.decode(ids) == "a<tool>b", "the special </s> is dropped, the user-defined <tool> kept"

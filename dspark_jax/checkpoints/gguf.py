@@ -198,8 +198,13 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "gpt2"))
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    special = [tokens[i] for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)]
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    # CONTROL tokens are the special ones (decode drops them); USER_DEFINED ones are what llama.cpp
+    # writes for a model's added tokens that are not special (a <tool_call>, padding): matched whole
+    # in text, and kept in decoded text, as transformers keeps them.
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, kind in enumerate(types) if kind == _CONTROL])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, kind in enumerate(types) if kind == _USER_DEFINED])
 
     def token_id(key):
         value = _field(reader, key)
@@ -213,6 +218,8 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
         unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template"),
         add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        end_of_turn_ids=[i for i in (token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
+                         if i is not None],
     )
 
 

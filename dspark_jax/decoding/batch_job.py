@@ -96,7 +96,10 @@ def _prompt_ids(record: dict, where: str, tokenizer, chat: bool) -> list[int]:
                            and isinstance(m["role"], str) and isinstance(m["content"], str) for m in value)):
             raise ValueError(f"{where}: 'messages' must be a non-empty list of {{\"role\": str, \"content\": str}}")
         messages = value
-    return tokenizer.apply_chat_template(messages)
+    try:
+        return tokenizer.apply_chat_template(messages)
+    except ValueError as error:  # the template refused this conversation (roles that do not alternate, say)
+        raise ValueError(f"{where}: {error}") from None
 
 
 def _lines(data: bytes) -> list[bytes]:

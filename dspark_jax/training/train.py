@@ -495,7 +495,7 @@ def load_target(config: TrainConfig):
     from dspark_jax.checkpoints import load_target as load_checkpoint
 
     target, tokenizer = load_checkpoint(config.target_checkpoint)
-    if tokenizer.eos_token_id is None:
+    if not tokenizer.stop_ids:
         raise ValueError(f"the tokenizer of {config.target_checkpoint} names no EOS token, which ends the target's "
                          "answers to the training prompts")
     if config.target_layers is not None:
@@ -536,7 +536,7 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
         if progress:
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
-    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=[tokenizer.eos_token_id],
+    writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=tokenizer.stop_ids,
                                mesh=make_mesh(config.data_parallel, local=True))
     writer.build(ids, names, progress=progress, num_shards=config.cache_shards, deadline=deadline)
     return _within_cache_shards(config, names)
@@ -603,7 +603,7 @@ def build_heldout_cache(config: TrainConfig, target, tokenizer, *, prompts=None,
     shard = min(config.cache.shard_size, 16)
     batch = -(-min(config.cache.batch_size, shard) // mesh.size) * mesh.size
     spec = dataclasses.replace(config.cache, shard_size=shard, batch_size=batch)
-    TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=[tokenizer.eos_token_id], mesh=mesh).build(
+    TargetCacheWriter(target, spec, config.heldout_cache_path, stop_ids=tokenizer.stop_ids, mesh=mesh).build(
         ids, names, progress=progress)
     sequences = load_target_cache(config.heldout_cache_path)
     if len(sequences) < config.batch_size:
