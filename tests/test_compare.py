@@ -92,13 +92,18 @@ def test_speedup_is_a_throughput_ratio_when_outputs_differ_in_length():
 
 
 def test_a_round_that_stops_on_an_accepted_draft_counts_its_drafts_up_to_the_stop():
-    """Spec §6.4 step 4: τ counts such a round's drafts through the stop token, no target token;
-    its acceptance still counts every draft the target accepted."""
+    """Spec §6.4 step 4 and §6.6: τ counts such a round's drafts through the stop token, no target
+    token, and so does its accepted count; the drafts after the stop were offered, not accepted."""
     domain = {"math": [Run(prompt_tokens=10, baseline=result([0]),
                            speculative={"a": result([3, 5], stop_after=2), "b": result([3, 5])})]}
     a, b = (summarize(domain["math"], name, 7, greedy=False) for name in ("a", "b"))
     assert (a["tau"], b["tau"]) == (3.0, 5.0)  # (4 + 2) / 2 and (4 + 6) / 2
-    assert a["acceptance_rate"] == b["acceptance_rate"] == 8 / 14
+    assert (a["acceptance_rate"], b["acceptance_rate"]) == (5 / 14, 8 / 14)
+    # Round 2 of "a" ends at its 2nd draft: position 3 is tried in both rounds, accepted in the first.
+    assert a["per_position_acceptance"][:4] == [1.0, 1.0, 0.5, 0.0] and np.isnan(a["per_position_acceptance"][4])
+    assert b["per_position_acceptance"][:6] == [1.0, 1.0, 1.0, 0.5, 1.0, 0.0]
+    spec = domain["math"][0].speculative["a"]
+    assert spec.per_position_acceptance(7)[:4].tolist() == [1.0, 1.0, 0.5, 0.0]
     assert tau_ratio_interval(domain, "a", "b") == [0.6, 0.6]
     assert tau_ratio_interval(domain, "a", "b", drafts_only=True) == [0.5, 0.5]  # (3 + 1) / 2 against (3 + 5) / 2
 

@@ -49,7 +49,12 @@ from dspark_jax.decoding.slots import Completions, RowInserter, Slots
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
-from dspark_jax.eval.metrics import per_position_acceptance, tau_of, width_histogram
+from dspark_jax.eval.metrics import (
+    accepted_drafts,
+    per_position_acceptance,
+    tau_of,
+    width_histogram,
+)
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
 
@@ -248,7 +253,9 @@ class SpeculativeResult:
     prefill_s: float
     decode_s: float
     rounds: int
-    accepted_per_round: list[np.ndarray]  # per round: accepted drafts per active request
+    # per round: drafts the target accepted per active request, counting past a stop token among
+    # them (the confidence head's labels; the metrics cut at the stop: ``accepted_drafts``)
+    accepted_per_round: list[np.ndarray]
     # per round: tokens committed per active request, the round's accept length as the reference
     # counts it (spec §6.4): the accepted drafts and the target's token, or the drafts up to and
     # including a stop token among them (no target token then). Cuts at max_new_tokens not applied.
@@ -267,9 +274,8 @@ class SpeculativeResult:
     def per_position_acceptance(self, gamma: int) -> np.ndarray:
         if not self.accepted_per_round:
             return np.full(gamma, np.nan)
-        return per_position_acceptance(
-            np.concatenate(self.accepted_per_round), np.concatenate(self.verify_lengths), gamma
-        )
+        accepted = accepted_drafts(np.concatenate(self.accepted_per_round), np.concatenate(self.committed_per_round))
+        return per_position_acceptance(accepted, np.concatenate(self.verify_lengths), gamma)
 
     @property
     def width_histogram(self) -> dict[int, int]:

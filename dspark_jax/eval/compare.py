@@ -25,7 +25,7 @@ import numpy as np
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
 from dspark_jax.decoding.batch_job import jsonl_lines
-from dspark_jax.eval.metrics import per_position_acceptance, tau_of
+from dspark_jax.eval.metrics import accepted_drafts, per_position_acceptance, tau_of
 
 DOMAIN_FILES = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
 
@@ -256,9 +256,9 @@ def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, label
     spec_decode = sum(r.decode_s for r in spec)
     base_total = base_decode + sum(r.prefill_s for r in base)
     spec_total = spec_decode + sum(r.prefill_s for r in spec)
-    accepted = [a for r in spec for a in r.accepted_per_round]
-    offered = [v for r in spec for v in r.verify_lengths]
-    accepted_all = np.concatenate(accepted) if accepted else np.zeros(0, int)
+    accepted, committed, offered = ([a for r in spec for a in getattr(r, log)]
+                                    for log in ("accepted_per_round", "committed_per_round", "verify_lengths"))
+    accepted_all = accepted_drafts(np.concatenate(accepted), np.concatenate(committed)) if accepted else np.zeros(0, int)
     offered_all = np.concatenate(offered) if offered else np.zeros(0, int)
     widths: dict[int, int] = {}
     for r in spec:

@@ -81,6 +81,14 @@ def per_position_acceptance(accepted_R: np.ndarray, verify_len_R: np.ndarray, ga
         return np.where(tried > 0, kept / np.maximum(tried, 1), np.nan)
 
 
+def accepted_drafts(accepted_R: np.ndarray, committed_R: np.ndarray) -> np.ndarray:
+    """Accepted drafts per request-round as the reference records them (``accepted_draft_length``,
+    spec §6.4 step 4 and §6.6): a stop token among the accepted drafts cuts the count there, since
+    the round commits the drafts through it and no target token. So the drafts after it count as
+    offered and not accepted, whatever the target made of them."""
+    return np.minimum(np.asarray(accepted_R), np.asarray(committed_R))
+
+
 def tau_of(committed_per_round) -> float:
     """τ: mean tokens committed per request-round, from arrays of each round's committed tokens
     (accepted drafts + the target's token, or through a stop token among the drafts: spec §6.4).
