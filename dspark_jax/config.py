@@ -62,6 +62,17 @@ def check_tap_layers(tap_layers, num_layers: int) -> tuple[int, ...]:
     return taps
 
 
+def check_context_taps(tap_layers, num_layers: int) -> tuple[int, ...]:
+    """``check_tap_layers`` for the layers a drafter reads its context from, which never include
+    the target's final layer: its output is the LM head's input, not a context feature (spec §1.2;
+    the target cache stores it apart, as ``hidden``)."""
+    taps = check_tap_layers(tap_layers, num_layers)
+    if num_layers - 1 in taps:
+        raise ValueError(f"tap layer {num_layers - 1} is the target's final layer (its features are not what "
+                         "a drafter is trained on; spec §1.2)")
+    return taps
+
+
 def _from_mapping(cls, values: Mapping[str, Any], what: str):
     """Build ``cls`` from a mapping, refusing keys the dataclass does not know."""
     known = {f.name for f in dataclasses.fields(cls)}
@@ -297,14 +308,9 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target vocabulary")
         try:
-            check_tap_layers(self.tap_layers, target.num_layers)  # a protocol target's cfg need not be a TargetConfig
+            check_context_taps(self.tap_layers, target.num_layers)  # a protocol target's cfg need not be a TargetConfig
         except ValueError as error:
             problems.append(str(error))
-        if target.num_layers - 1 in self.tap_layers:
-            problems.append(
-                f"tap layer {target.num_layers - 1} is the target's final layer (its features are "
-                "not what the drafter was trained on; spec §1.2)"
-            )
         if problems:
             raise ValueError("drafter does not fit the target: " + "; ".join(problems))
 

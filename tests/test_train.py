@@ -968,3 +968,45 @@ def test_eight_device_cache_equals_one_device_and_each_device_answers_its_own_ro
         assert message is not None and message.startswith("batch_size 4 is not divisible by the 8 data-parallel "
                                                           "devices: train on a number of devices that divides it")
     assert not (tmp_path / "run").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_damaged_cache_shard_is_named_with_the_remedy(tmp_path, six_prompts):
+    """Truncated tensors, garbled metadata and names that no longer match the offsets stop the
+    read with the shard named (before, a traceback without a path, or training on sequences
+    shifted by one name)."""
+    prompts, names, _, writer = six_prompts
+    writer(tmp_path / "cache").build(prompts, names, progress=False)
+    assert len(load_target_cache(tmp_path / "cache")) == 6
+    stem = tmp_path / "cache" / "shard-00001"
+    tensors, meta = stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+    good_tensors, good_meta = tensors.read_bytes(), json.loads(meta.read_text())
+
+    def damaged(message):
+        with pytest.raises(ValueError, match=message):
+            load_target_cache(tmp_path / "cache")
+        tensors.write_bytes(good_tensors)
+        meta.write_text(json.dumps(good_meta))
+
+    tensors.write_bytes(good_tensors[: len(good_tensors) // 2])
+    damaged(rf"{stem}.safetensors is damaged .*; delete {stem}\.\* and rerun to rebuild the shard")
+    meta.write_text(json.dumps(good_meta)[:-3])
+    damaged(rf"{stem}.json is not valid JSON")
+    for edit in ({"prompt_names": good_meta["prompt_names"][:1], "dropped": [{"name": "p3", "response_tokens": 1}]},
+                 {"prompt_names": good_meta["prompt_names"] + ["p9"]}):
+        meta.write_text(json.dumps({**good_meta, **edit}))
+        damaged(rf"{stem} is damaged: .*(offsets do not delimit|one response_tokens each)")
+    arrays = safetensors.numpy.load_file(str(tensors))
+    safetensors.numpy.save_file({**arrays, "lse": arrays["lse"][:-1]}, str(tensors))
+    damaged(rf"{stem} is damaged: its offsets do not delimit its prompts' tokens")
+
+
+def test_cache_specs_take_exact_ints_and_no_final_layer_tap(tiny_parts):
+    _, target, _ = tiny_parts
+    for bad, message in (({"tap_layers": (0.9,)}, "every entry of CacheSpec.tap_layers must be an int, got 0.9"),
+                         ({"tap_layers": (0,), "shard_size": 2.5}, "CacheSpec.shard_size must be an int, got 2.5"),
+                         ({"tap_layers": (0,), "seed": "1"}, "CacheSpec.seed must be an int, got '1'")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            CacheSpec(**bad)
+    final = target.cfg.num_layers - 1
+    with pytest.raises(ValueError, match=f"tap layer {final} is the target's final layer"):
+        TargetCacheWriter(target, CacheSpec(tap_layers=(final,)), "unused", stop_ids=[0])

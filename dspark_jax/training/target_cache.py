@@ -51,7 +51,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dspark_jax import multihost
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, as_int, as_ints, check_context_taps, read_json
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
 from dspark_jax.models.layers import project
 from dspark_jax.models.target import TargetModel
@@ -84,10 +84,12 @@ class CacheSpec:
     continuous: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "tap_layers", tuple(int(i) for i in self.tap_layers))
+        object.__setattr__(self, "tap_layers", as_ints(self.tap_layers, "CacheSpec.tap_layers"))
         for name in ("max_new_tokens", "max_prompt_tokens", "shard_size", "batch_size"):
-            if getattr(self, name) < 1:
+            if as_int(getattr(self, name), f"CacheSpec.{name}") < 1:
                 raise ValueError(f"CacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("top_k", "seed", "min_response_tokens"):
+            as_int(getattr(self, name), f"CacheSpec.{name}")
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -166,7 +168,7 @@ class TargetCacheWriter:
                  mesh: Mesh | None = None):
         """``mesh`` (a ``data`` axis) splits every batch of answers, and the stored arrays, across
         its devices by rows; ``spec.batch_size`` must be a multiple of its size."""
-        target.cfg.check_tap_layers(spec.tap_layers)
+        check_context_taps(spec.tap_layers, target.cfg.num_layers)  # the final layer is stored apart, as hidden
         self.target, self.spec, self.dir = target, spec, Path(out_dir)
         self.stop_ids = tuple(int(s) for s in stop_ids)
         # The answers' own forwards give the stored arrays: no second pass over the sequences.
@@ -206,7 +208,7 @@ class TargetCacheWriter:
         if not path.exists():
             self._write_manifest(manifest)
             return manifest["num_shards"]
-        existing = _with_spec_defaults(json.loads(path.read_text()))
+        existing = _with_spec_defaults(read_json(path))
         keys = (set(existing) | set(manifest)) - {"grown_from"}
         changed = sorted(k for k in keys if existing.get(k) != manifest.get(k))
         if not changed:
@@ -411,7 +413,7 @@ def read_manifest(directory) -> dict:
     path = Path(directory) / MANIFEST
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a target cache: no {MANIFEST}")
-    manifest = json.loads(path.read_text())
+    manifest = read_json(path)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return _with_spec_defaults(manifest)
@@ -422,7 +424,7 @@ def answered_names(directory, num_shards: int) -> set[str]:
     dropped (too short) included."""
     names = set()
     for shard in range(num_shards):
-        meta = json.loads((Path(directory) / f"shard-{shard:05d}.json").read_text())
+        meta = read_json(Path(directory) / f"shard-{shard:05d}.json")
         names.update(meta["prompt_names"], (d["name"] for d in meta.get("dropped", [])))
     return names
 
@@ -443,12 +445,36 @@ def load_target_cache(directory, num_shards: int | None = None) -> list[CachedSe
         raise ValueError(f"target cache {directory} is incomplete: shards {missing[:5]} missing; rerun to resume")
     out = []
     for shard in range(num_shards):
-        stem = Path(directory) / f"shard-{shard:05d}"
-        meta = json.loads(stem.with_suffix(".json").read_text())
-        t = safetensors.numpy.load_file(str(stem.with_suffix(".safetensors")))
+        names, t = _read_shard(directory, shard, features=manifest["spec"]["store_features"])
         off = t["offsets"]
-        for i, name in enumerate(meta["prompt_names"]):
+        for i, name in enumerate(names):
             s = slice(int(off[i]), int(off[i + 1]))
             per_token = [t[k][s] if k in t else None for k in ("features", "hidden", "lse")]
             out.append(CachedSequence(name, t["input_ids"][s], t["loss_mask"][s], *per_token))
     return out
+
+
+def _read_shard(directory, shard: int, *, features: bool) -> tuple[list[str], dict[str, np.ndarray]]:
+    """A complete shard's prompt names and tensors, checked to agree with each other: a damaged
+    file (a disk error, an edit) is named here instead of training on shifted sequences."""
+    stem = Path(directory) / f"shard-{shard:05d}"
+    rebuild = f"delete {stem}.* and rerun to rebuild the shard"
+    meta = read_json(stem.with_suffix(".json"))
+    try:
+        tensors = safetensors.numpy.load_file(str(stem.with_suffix(".safetensors")))
+    except Exception as error:  # safetensors raises its own SafetensorError for a damaged file
+        raise ValueError(f"{stem}.safetensors is damaged ({error}); {rebuild}") from None
+    names, offsets = meta.get("prompt_names"), tensors.get("offsets")
+    expected = {"input_ids", "loss_mask", "offsets"} | ({"features", "hidden", "lse"} if features else set())
+    problems = []
+    if not (isinstance(names, list) and len(meta.get("response_tokens", [])) == len(names)):
+        problems.append(f"{stem}.json lists no prompt_names with one response_tokens each")
+    if set(tensors) != expected:
+        problems.append(f"tensors {sorted(tensors)}, expected {sorted(expected)}")
+    elif (offsets.ndim != 1 or not isinstance(names, list) or len(offsets) != len(names) + 1 or offsets[0] != 0
+          or np.any(np.diff(offsets) < 0)
+          or any(len(tensors[k]) != offsets[-1] for k in expected - {"offsets"})):
+        problems.append("its offsets do not delimit its prompts' tokens")
+    if problems:
+        raise ValueError(f"{stem} is damaged: {'; '.join(problems)}; {rebuild}")
+    return names, tensors
