@@ -28,6 +28,14 @@ import json
 import time
 from pathlib import Path
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import (
+    json_output,
+    read_benchmark_prompts,
+    set_quick_defaults,
+    write_json,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
 
@@ -36,31 +44,24 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
     ap.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
-    ap.add_argument("--per-set", type=int, default=None, help="prompts from each set (default 8; --quick: 2)")
-    ap.add_argument("--batch-size", type=int, default=None, help="default 8 (--quick: 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 256 (--quick: 24)")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
+    ap.add_argument("--per-set", type=positive_int, default=None, help="prompts from each set (default 8; --quick: 2)")
+    ap.add_argument("--batch-size", type=positive_int, default=None, help="default 8 (--quick: 2)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 256 (--quick: 24)")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="runs of each mode, alternating")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="docs/batch/bench_batch.json")
+    ap.add_argument("--out", type=json_output, default=str(REPO_ROOT / "docs" / "batch" / "bench_batch.json"))
     args = ap.parse_args(argv)
-    args.per_set = args.per_set or (2 if args.quick else 8)
-    args.batch_size = args.batch_size or (2 if args.quick else 8)
-    args.max_new_tokens = args.max_new_tokens or (24 if args.quick else 256)
-    if min(args.per_set, args.batch_size, args.max_new_tokens, args.rounds) < 1:
-        ap.error("--per-set, --batch-size, --max-new-tokens and --rounds must be >= 1")
+    set_quick_defaults(args, per_set=(2, 8), batch_size=(2, 8), max_new_tokens=(24, 256))
     return args
 
 
-def prompts_from(benchmarks: Path, sets, per_set: int, tokenizer) -> list[list[int]]:
+def prompt_texts(benchmarks, sets, per_set: int) -> list[str]:
     """The first ``per_set`` first turns of each set, interleaved (math, code, chat, math, ...)."""
-    groups = []
-    for name in sets:
-        lines = [line for line in (benchmarks / f"{name}.jsonl").read_text().splitlines() if line.strip()]
-        if len(lines) < per_set:
-            raise SystemExit(f"{name}.jsonl has {len(lines)} prompts, fewer than --per-set {per_set}")
-        groups.append([tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["turns"][0]}])
-                       for line in lines[:per_set]])
-    return [p for group in zip(*groups) for p in group]
+    groups = read_benchmark_prompts(benchmarks, [f"{name}.jsonl" for name in sets], per_set)
+    for name, texts in zip(sets, groups):
+        if len(texts) < per_set:
+            raise SystemExit(f"--benchmarks: {name}.jsonl has {len(texts)} prompts, fewer than --per-set {per_set}")
+    return [text for group in zip(*groups) for text in group]
 
 
 def main(argv=None) -> dict:
@@ -68,8 +69,9 @@ def main(argv=None) -> dict:
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 
+    texts = prompt_texts(args.benchmarks, args.sets, args.per_set)
     target, tokenizer = load_embedded_target()
-    prompts = prompts_from(Path(args.benchmarks), args.sets, args.per_set, tokenizer)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
     generator = AutoregressiveGenerator(target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, batch_size=args.batch_size,
                   max_len=generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens))
@@ -98,9 +100,7 @@ def main(argv=None) -> dict:
         "speedup": round(last["continuous"]["tokens_per_s"] / last["fixed"]["tokens_per_s"], 3),
         "steps": [last["fixed"]["steps"], last["continuous"]["steps"]],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print(json.dumps({k: report[k] for k in ("speedup", "steps", "identical")}))
     return report
 

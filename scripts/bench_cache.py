@@ -47,6 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import json_output, write_json
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -56,17 +59,16 @@ def parse_args(argv=None):
                         help="training config whose prompts and cache settings to use")
     parser.add_argument("--compare", choices=("forwards", "batching"), default="forwards",
                         help="where the stored arrays come from, or how prompts share the rows")
-    parser.add_argument("--batches", type=int,
+    parser.add_argument("--batches", type=positive_int,
                         help="timed batches (forwards, default 5) or shards (batching, default 2), after one untimed")
     parser.add_argument("--quick", action="store_true", help="one timed batch or shard")
-    parser.add_argument("--out", help="JSON path (default docs/bench_cache.json, or bench_cache_batching.json)")
+    parser.add_argument("--out", type=json_output,
+                        help="JSON path (default docs/bench_cache.json, or bench_cache_batching.json)")
     args = parser.parse_args(argv)
     if args.batches is None:
         args.batches = 1 if args.quick else 5 if args.compare == "forwards" else 2
-    if args.batches < 1:
-        parser.error("--batches must be >= 1")
     if args.out is None:
-        args.out = str(REPO / "docs" / ("bench_cache.json" if args.compare == "forwards" else "bench_cache_batching.json"))
+        args.out = REPO / "docs" / ("bench_cache.json" if args.compare == "forwards" else "bench_cache_batching.json")
     return args
 
 
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
     writer = TargetCacheWriter(target, spec, tempfile.mkdtemp(), stop_ids=tokenizer.stop_ids)
     compare = compare_forwards if args.compare == "forwards" else compare_batching
     result = {"config": str(args.config), **compare(args, writer, prompts), "machine": machine_info()}
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result, indent=2)
     print(json.dumps({"seconds_per_prompt": result["seconds_per_prompt"], "speedup": round(result["speedup"], 3)}))
     return 0
 

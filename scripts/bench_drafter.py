@@ -35,12 +35,21 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from dspark_jax.cli import positive_int
 from dspark_jax.config import DrafterConfig, SamplingConfig
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter
-from dspark_jax.eval.bench import machine_info, stats_ms, timed
+from dspark_jax.eval.bench import (
+    json_output,
+    machine_info,
+    set_quick_defaults,
+    stats_ms,
+    timed,
+    write_json,
+)
 from dspark_jax.sampling import SamplingParams, request_keys
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 TAP_LAYERS = (1, 8, 15, 22, 28)  # spread over SmolLM2's 30 layers, never the last (spec §1.2)
 
 
@@ -90,19 +99,25 @@ def make_calls(drafter, embed, batch, context, sampling):
     }
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench_drafter.json")
+    ap.add_argument("--out", type=json_output, default=str(REPO_ROOT / "docs" / "bench_drafter.json"))
     ap.add_argument("--quick", action="store_true", help="γ=7, B=1 only, fewer repeats")
-    ap.add_argument("--layers", type=int, default=1, help="draft layers (1 fits this CPU)")
-    ap.add_argument("--rank", type=int, default=256, help="Markov rank r")
-    ap.add_argument("--context", type=int, default=256, help="context rows in the drafter cache")
-    ap.add_argument("--reduced-vocab", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--layers", type=positive_int, default=1, help="draft layers (1 fits this CPU)")
+    ap.add_argument("--rank", type=positive_int, default=256, help="Markov rank r")
+    ap.add_argument("--context", type=positive_int, default=256, help="context rows in the drafter cache")
+    ap.add_argument("--reduced-vocab", type=positive_int, default=8192)
+    ap.add_argument("--repeats", type=positive_int, default=None, help="timed rounds per cell (default 15; --quick: 5)")
     args = ap.parse_args(argv)
+    set_quick_defaults(args, repeats=(5, 15))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     gammas = [7] if args.quick else [3, 5, 7]
     batches = [1] if args.quick else [1, 8]
-    repeats = args.repeats or (5 if args.quick else 15)
+    repeats = args.repeats
 
     from dspark_jax.checkpoints.gguf import load_embedded_target
 
@@ -167,11 +182,9 @@ def main(argv=None) -> int:
         "method": "jitted calls interleaved round-robin; min/median of repeats after 2 warm-up "
         "calls; seq_head = dspark - parallel (same drafter without the Markov head); gate = gated - dspark",
         "rows": rows,
-        "args": vars(args),
+        "args": vars(args) | {"out": str(args.out)},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=float))
+    write_json(args.out, result, indent=2, default=float)
     for r in rows:
         print(
             f"γ={r['gamma']} B={r['batch']} vocab={r['vocab']:>6}: dspark {r['dspark_ms']['min_ms']:.2f} ms "

@@ -32,6 +32,14 @@ import sys
 import time
 from pathlib import Path
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import (
+    json_output_with_plot,
+    read_benchmark_prompts,
+    set_quick_defaults,
+    write_json,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
 
@@ -42,32 +50,64 @@ def parse_args(argv):
     ap.add_argument("--drafter", default="smollm2_135m_dspark")
     ap.add_argument("--policy", action="append", default=None,
                     help="repeatable (default: fixed:7, threshold:0.4, scheduler, scheduler-ahead)")
-    ap.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (default 1 4 8; --quick: 1 4)")
-    ap.add_argument("--batches-per-size", type=int, default=None, help="batches timed per B (default 2; --quick: 1)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (--quick: 12)")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=None,
+                    help="batch sizes (default 1 4 8; --quick: 1 4)")
+    ap.add_argument("--batches-per-size", type=positive_int, default=None, help="batches timed per B (default 2; --quick: 1)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 64 (--quick: 12)")
+    ap.add_argument("--repeats", type=positive_int, default=1)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="docs/scheduler/bench_scheduler_batch.json")
+    ap.add_argument("--out", type=json_output_with_plot,
+                    default=str(REPO_ROOT / "docs" / "scheduler" / "bench_scheduler_batch.json"),
+                    help="JSON output; the PNG goes next to it")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     args.policy = args.policy or ["fixed:7", "threshold:0.4", "scheduler", "scheduler-ahead"]
-    args.batches = args.batches or ([1, 4] if args.quick else [1, 4, 8])
-    args.batches_per_size = args.batches_per_size or (1 if args.quick else 2)
-    args.max_new_tokens = args.max_new_tokens or (12 if args.quick else 64)
-    if min(args.batches) < 1 or args.batches_per_size < 1 or args.max_new_tokens < 1 or args.repeats < 1:
-        ap.error("--batches, --batches-per-size, --max-new-tokens and --repeats must be >= 1")
+    set_quick_defaults(args, batches=([1, 4], [1, 4, 8]), batches_per_size=(1, 2), max_new_tokens=(12, 64))
     return args
 
 
-def interleaved_prompts(directory: Path, count: int, tokenizer) -> list[list[int]]:
-    from dspark_jax.eval.compare import DOMAIN_FILES, read_prompts_jsonl
+def interleaved_texts(directory, count: int) -> list[str]:
+    """``count`` first turns of the math, code and chat sets, interleaved."""
+    from dspark_jax.eval.compare import DOMAIN_FILES
 
     per_domain = -(-count // len(DOMAIN_FILES))
-    lists = [read_prompts_jsonl(directory / f, per_domain) for f in DOMAIN_FILES.values()]
+    lists = read_benchmark_prompts(directory, DOMAIN_FILES.values(), per_domain)
     texts = [t for group in zip(*lists) for t in group][:count]
     if len(texts) < count:
         raise SystemExit(f"--benchmarks {directory}: {count} prompts needed, {len(texts)} found")
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return texts
+
+
+def results_table(totals: dict) -> dict:
+    """Per decoder and B (as a string): decode tokens/s and, for the policies, the ratio to
+    target-only's, τ and the verify widths, from the pooled ``totals``; NaN where there was
+    nothing to time (every answer one token long: no decode step)."""
+    import numpy as np
+
+    from dspark_jax.eval.compare import _ratio
+    from dspark_jax.eval.metrics import tau_of
+
+    results = {}
+    for name, per_batch in totals.items():
+        results[name] = {}
+        for b, e in per_batch.items():
+            rate = _ratio(e["tokens"], e["decode_s"])
+            row = {"tokens": e["tokens"], "decode_s": e["decode_s"], "tokens_per_s": rate}
+            if name != "target_only":
+                base = totals["target_only"][b]
+                lengths = np.concatenate(e["lengths"]) if e["lengths"] else np.zeros(0)
+                widths, counts = np.unique(np.asarray(e["widths"], int), return_counts=True)
+                row |= {
+                    "speedup": _ratio(rate, _ratio(base["tokens"], base["decode_s"])),
+                    "tau": tau_of(e["committed"]),
+                    "mean_verify_length": float(lengths.mean()) if lengths.size else float("nan"),
+                    "width_histogram": {str(int(w)): int(c) for w, c in zip(widths, counts)},
+                    "rounds": len(e["widths"]),
+                    "plain_rounds": e["plain_rounds"],
+                    "identical": e["identical"],
+                }
+            results[name][str(b)] = row
+    return results
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -93,8 +133,6 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import numpy as np
-
     from dspark_jax.checkpoints.drafter import read_drafter_config
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
@@ -102,18 +140,16 @@ def main(argv=None) -> int:
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.eval.compare import json_clean, make_decoder
-    from dspark_jax.eval.metrics import tau_of
     from dspark_jax.scheduler.prefix import SchedulerPolicy
     from dspark_jax.scheduler.profile import policy_summary
 
     policies = [(text, parse_policy_arg(text)) for text in args.policy]
     check_drafter_arg(args.drafter)
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    texts = interleaved_texts(args.benchmarks, max(args.batches) * args.batches_per_size)
     started, load_start = time.time(), os.getloadavg()
     target, tokenizer = load_embedded_target()
     stops = tokenizer.stop_ids
-    prompts = interleaved_prompts(Path(args.benchmarks), max(args.batches) * args.batches_per_size, tokenizer)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     limit = target.cfg.max_position_embeddings
     max_len_ar = cache_len([len(p) for p in prompts], args.max_new_tokens, limit)
 
@@ -176,27 +212,7 @@ def main(argv=None) -> int:
                 entry["identical"] &= spec.tokens == base.tokens
             print(f"B={b} batch {i + 1}/{args.batches_per_size} done", file=sys.stderr)
 
-    results = {}
-    for name, per_batch in totals.items():
-        results[name] = {}
-        for b, e in per_batch.items():
-            rate = e["tokens"] / e["decode_s"] if e["decode_s"] > 0 else float("nan")
-            row = {"tokens": e["tokens"], "decode_s": e["decode_s"], "tokens_per_s": rate}
-            if name != "target_only":
-                base = totals["target_only"][b]
-                lengths = np.concatenate(e["lengths"]) if e["lengths"] else np.zeros(0)
-                widths, counts = np.unique(np.asarray(e["widths"], int), return_counts=True)
-                row |= {
-                    "speedup": rate / (base["tokens"] / base["decode_s"]),
-                    "tau": tau_of(e["committed"]),
-                    "mean_verify_length": float(lengths.mean()) if lengths.size else float("nan"),
-                    "width_histogram": {str(int(w)): int(c) for w, c in zip(widths, counts)},
-                    "rounds": len(e["widths"]),
-                    "plain_rounds": e["plain_rounds"],
-                    "identical": e["identical"],
-                }
-            results[name][str(b)] = row
-
+    results = results_table(totals)
     summary = {
         "speedup": {n: {b: round(r["speedup"], 3) for b, r in per.items()} for n, per in results.items() if n != "target_only"},
         "identical": all(r["identical"] for n, per in results.items() if n != "target_only" for r in per.values()),
@@ -219,9 +235,9 @@ def main(argv=None) -> int:
                    "seconds pooled over the batches; best of repeats per batch)",
                    "identical": "greedy outputs equal target-only's token for token in every batch"},
     }
-    out_path.write_text(json.dumps(json_clean(body), indent=1))
+    write_json(args.out, json_clean(body), indent=1)
     if not args.no_plot:
-        plot(json_clean(results), out_path.with_suffix(".png"),
+        plot(json_clean(results), args.out.with_suffix(".png"),
              f"SmolLM2-135M + {args.drafter}, greedy, {args.max_new_tokens} new tokens, mixed prompts")
     for name, per in results.items():
         cells = "  ".join(f"B={b}: {r['tokens_per_s']:.1f} tok/s" + (f" x{r['speedup']:.2f} τ {r['tau']:.2f}"

@@ -42,6 +42,14 @@ import sys
 import time
 from pathlib import Path
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import (
+    json_output_with_plot,
+    read_benchmark_prompts,
+    set_quick_defaults,
+    write_json,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
 INTERVAL_LEVEL = 0.9  # of the bootstrap intervals around the τ ratios
@@ -63,27 +71,22 @@ def parse_args(argv):
                     "scheduler-ahead[:PROFILE.json] (each round's width planned from the last); "
                     "repeatable: every drafter runs with every policy, side by side (drafters without a "
                     "confidence head run fixed:γ instead); default: the decoder's (fixed:7)")
-    ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 2)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (--quick: 32)")
+    ap.add_argument("--prompts-per-domain", type=positive_int, default=None, help="default 10 (--quick: 2)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 128 (--quick: 32)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the identity check needs it)")
     ap.add_argument("--top-k", type=int, default=0, help="with --temperature > 0; 0 = off")
     ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0; 1 = off")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--seeds", type=int, default=1,
+    ap.add_argument("--seeds", type=positive_int, default=1,
                     help="sampled paths per prompt (with --temperature > 0): every prompt is decoded with this "
                     "many seeds, the summaries pool them and the intervals resample prompts with all their paths")
-    ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and decoder; the fastest counts")
+    ap.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     ap.add_argument("--quick", action="store_true", help="2 prompts per domain, 32 new tokens")
-    ap.add_argument("--out", default="docs/bench_speculative.json", help="JSON output; the PNG goes next to it")
+    ap.add_argument("--out", type=json_output_with_plot, default=str(REPO_ROOT / "docs" / "bench_speculative.json"),
+                    help="JSON output; the PNG goes next to it")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
-    if args.prompts_per_domain is None:
-        args.prompts_per_domain = 2 if args.quick else 10
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 32 if args.quick else 128
-    for name in ("prompts_per_domain", "max_new_tokens", "repeats", "seeds"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    set_quick_defaults(args, prompts_per_domain=(2, 10), max_new_tokens=(32, 128))
     if args.seeds > 1 and args.temperature == 0:
         ap.error("--seeds > 1 needs --temperature > 0: greedy decoding takes one path whatever the seed")
     specs = list(args.drafter or [])
@@ -93,20 +96,19 @@ def parse_args(argv):
     return args
 
 
-def load_domains(directory: Path, per_domain: int, tokenizer) -> dict:
-    from dspark_jax.eval.compare import DOMAIN_FILES, read_prompts_jsonl
+def domain_texts(directory, per_domain: int) -> dict:
+    """``{domain: (file, first turns)}`` of the math, code and chat sets."""
+    from dspark_jax.eval.compare import DOMAIN_FILES
 
-    if not directory.is_dir():
-        raise SystemExit(f"--benchmarks {directory}: not a directory")
-    domains = {}
-    for domain, filename in DOMAIN_FILES.items():
-        try:
-            texts = read_prompts_jsonl(directory / filename, per_domain)
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"--benchmarks: {error}") from None
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-        domains[domain] = {"file": filename, "texts": texts, "ids": ids}
-    return domains
+    texts = read_benchmark_prompts(directory, DOMAIN_FILES.values(), per_domain)
+    return {domain: (filename, t) for (domain, filename), t in zip(DOMAIN_FILES.items(), texts)}
+
+
+def load_domains(texts: dict, tokenizer) -> dict:
+    """``domain_texts`` with each prompt in the chat template."""
+    return {domain: {"file": filename, "texts": t,
+                     "ids": [tokenizer.apply_chat_template([{"role": "user", "content": x}]) for x in t]}
+            for domain, (filename, t) in texts.items()}
 
 
 def plot(results: dict, path: Path, title: str) -> None:
@@ -165,17 +167,14 @@ def main(argv=None) -> int:
     policies = [(text, parse_policy_arg(text)) for text in args.policy or [None]]
     for spec in args.drafter:  # fail before the target loads
         check_drafter_arg(spec)
-    if not Path(args.benchmarks).is_dir():
-        raise SystemExit(f"--benchmarks {args.benchmarks}: not a directory")
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    texts = domain_texts(args.benchmarks, args.prompts_per_domain)
 
     load_avg_start = os.getloadavg()
     started = time.time()
     t0 = time.perf_counter()
     target, tokenizer = load_embedded_target()
     print(f"loaded target ({target.num_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    domains = load_domains(Path(args.benchmarks), args.prompts_per_domain, tokenizer)
+    domains = load_domains(texts, tokenizer)
 
     decoders, drafters = {}, {}
     # Scheduler decoders on the same weights share the first one's profiled cost table: profiles
@@ -330,7 +329,7 @@ def main(argv=None) -> int:
             "prompts for both drafters) of every ratio: how much it depends on which prompts were drawn",
         },
     }
-    out_path.write_text(json.dumps(json_clean(result), indent=1))
+    out_path = write_json(args.out, json_clean(result), indent=1)
     png_path = out_path.with_suffix(".png")
     if not args.no_plot:
         mi = result["machine"]

@@ -31,17 +31,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import json_output, write_json
+
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("off", "cold", "warm")
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--prompt", default="What is the capital of France?")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32)
     parser.add_argument("--target-only", action="store_true", help="no drafter (default: smollm2_135m_dspark)")
-    parser.add_argument("--out", default=str(REPO / "docs" / "bench_startup.json"))
+    parser.add_argument("--out", type=json_output, default=str(REPO / "docs" / "bench_startup.json"))
     return parser.parse_args(argv)
 
 
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
         "same_text_every_run": len(texts) == 1,
         "machine": machine_info(),
     }
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report, indent=2)
     print(json.dumps({k: report[k] for k in ("median_wall_s", "warm_over_off", "cold_over_off", "cache_bytes",
                                               "same_text_every_run")}, indent=2))
     return 0 if len(texts) == 1 else 1

@@ -43,9 +43,19 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from dspark_jax.cli import positive_int
 from dspark_jax.config import SamplingConfig
-from dspark_jax.eval.bench import machine_info, stats_ms, timed
+from dspark_jax.eval.bench import (
+    json_output_with_plot,
+    machine_info,
+    set_quick_defaults,
+    stats_ms,
+    timed,
+    write_json,
+)
 from dspark_jax.models.layers import project
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 CHAT_PROMPTS = (
     "What is the capital of France?",
@@ -379,44 +389,43 @@ def plot(rows, path: Path, title: str):
     plt.close(fig)
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
-        "--out", default="docs/bench_target.json", help="JSON output; the PNG goes next to it"
+        "--out", type=json_output_with_plot, default=str(REPO_ROOT / "docs" / "bench_target.json"),
+        help="JSON output; the PNG goes next to it",
     )
     ap.add_argument(
         "--quick", action="store_true", help="CI-sized subset: B=1, T in {1,8}, ctx 256"
     )
-    ap.add_argument("--batches", type=int, nargs="+", default=None)
-    ap.add_argument("--steps", type=int, nargs="+", default=None, help="T values")
-    ap.add_argument("--contexts", type=int, nargs="+", default=None)
-    ap.add_argument("--repeats", type=int, default=None, help="timed rounds per grid cell")
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=None)
+    ap.add_argument("--steps", type=positive_int, nargs="+", default=None, help="T values")
+    ap.add_argument("--contexts", type=positive_int, nargs="+", default=None)
+    ap.add_argument("--repeats", type=positive_int, default=None, help="timed rounds per grid cell")
     ap.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling")
     ap.add_argument(
-        "--new-tokens", type=int, default=None, help="tokens per request in the decode test"
+        "--new-tokens", type=positive_int, default=None, help="tokens per request in the decode test"
     )
-    ap.add_argument("--decode-repeats", type=int, default=None)
-    ap.add_argument("--profile-repeats", type=int, default=None)
+    ap.add_argument("--decode-repeats", type=positive_int, default=None)
+    ap.add_argument("--profile-repeats", type=positive_int, default=None)
     ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args(argv)
+    set_quick_defaults(
+        args, batches=([1], [1, 4, 8]), steps=([1, 8], [1, 2, 4, 8, 16]), contexts=([256], [256, 1024]),
+        repeats=(5, 15), new_tokens=(32, 64), decode_repeats=(1, 3), profile_repeats=(3, 15),
+    )
+    args.steps = sorted({1, *args.steps})  # the ratios are against T = 1
+    if max(args.steps) > CACHE_SLACK:
+        ap.error(f"--steps: T must be <= {CACHE_SLACK}")
+    return args
 
-    quick = args.quick
-    batches = args.batches or ([1] if quick else [1, 4, 8])
-    steps = args.steps or ([1, 8] if quick else [1, 2, 4, 8, 16])
-    contexts = args.contexts or ([256] if quick else [256, 1024])
-    repeats = args.repeats or (5 if quick else 15)
-    new_tokens = args.new_tokens or (32 if quick else 64)
-    decode_repeats = args.decode_repeats or (1 if quick else 3)
-    profile_repeats = args.profile_repeats or (3 if quick else 15)
-    if 1 not in steps:
-        steps = [1] + steps
-    steps = sorted(set(steps))
-    if max(steps) > CACHE_SLACK:
-        ap.error(f"T must be <= {CACHE_SLACK}")
 
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    png_path = out_path.with_suffix(".png")
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    quick, batches, steps, contexts = args.quick, args.batches, args.steps, args.contexts
+    repeats, new_tokens = args.repeats, args.new_tokens
+    decode_repeats, profile_repeats = args.decode_repeats, args.profile_repeats
+    png_path = args.out.with_suffix(".png")
 
     from dspark_jax.checkpoints.gguf import load_embedded_target
 
@@ -496,7 +505,7 @@ def main(argv=None) -> int:
         "decode": decode,
         "profile": profile,
     }
-    out_path.write_text(json.dumps(result, indent=1))
+    out_path = write_json(args.out, result, indent=1)
     mi = result["machine"]
     plot(
         rows,

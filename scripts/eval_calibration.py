@@ -23,10 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.cli import _encode, check_drafter_arg, load_drafter_arg, load_target
+from dspark_jax.checkpoints.drafter import read_drafter_config
+from dspark_jax.cli import _encode, check_drafter_arg, load_drafter_arg, load_target, positive_int
 from dspark_jax.config import SamplingConfig
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
-from dspark_jax.eval.bench import machine_info
+from dspark_jax.drafters import resolve_drafter
+from dspark_jax.eval.bench import json_output, machine_info, write_json
 from dspark_jax.scheduler.prefix import calibration_for
 from dspark_jax.training.calibrate import (
     calibrated,
@@ -47,24 +49,40 @@ def score(survival_NxG: np.ndarray, labels_NxG: np.ndarray) -> dict:
             "mean_log_loss": float(np.mean(per_loss))}
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
+    """The flags, with everything that can be checked before the target loads checked: the
+    sampling setting and that the drafter has a confidence head to score."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", default="smollm2_135m_dspark")
     ap.add_argument("--calibration", action="append", default=[], help="calibration.json to score; repeatable")
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=positive_int, default=48)
     ap.add_argument("--data-seed", type=int, default=1001)
     ap.add_argument("--exclude-config", action="append", default=[], metavar="CONFIG",
                     help="a training config (configs/NAME.py) whose prompts are left out; repeatable")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=96)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", type=json_output, required=True)
     args = ap.parse_args(argv)
-
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        args.sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValueError as error:
+        ap.error(f"--temperature/--top-k/--top-p: {error}")
     check_drafter_arg(args.drafter)
+    try:
+        drafter_cfg = read_drafter_config(resolve_drafter(args.drafter)[1])[0]
+    except (OSError, ValueError) as error:
+        ap.error(f"--drafter {args.drafter!r}: {error}")
+    if not drafter_cfg.confidence_head:
+        ap.error(f"--drafter {args.drafter!r}: a {drafter_cfg.kind} drafter has no confidence head to calibrate")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sampling = args.sampling
     calibrations = {}
     for path in args.calibration:
         fits = read_calibrations(Path(path).parent) if Path(path).name == "calibration.json" else ()
@@ -100,9 +118,7 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "load_avg_end": os.getloadavg(),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     for key, s in scores.items():
         print(f"{key}: ECE {' '.join(f'{v:.3f}' for v in s['ece'])} (mean {s['mean_ece']:.4f}); "
               f"log loss mean {s['mean_log_loss']:.4f}", file=sys.stderr)

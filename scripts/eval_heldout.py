@@ -40,6 +40,9 @@ import json
 import sys
 from pathlib import Path
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import json_output, write_json
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_CONFIGS = [str(REPO_ROOT / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash", "eagle3")]
 
@@ -48,8 +51,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", action="append", default=None,
                     help="training config (repeatable; default: the three SmolLM2 configs); all must share one data set")
-    ap.add_argument("--num-prompts", type=int, default=None,
-                    help="held-out prompts (default 48; --quick: 8, or 9 with --benchmarks)")
+    ap.add_argument("--num-prompts", type=positive_int, default=None,
+                    help=f"held-out prompts, at least {SCORE_BATCH} (default 48; --quick: 8, or 9 with --benchmarks)")
     ap.add_argument("--data-seed", type=int, default=None, help="prompt seed of the held-out set (default 1; training uses the config's)")
     ap.add_argument("--mix", default=None, help="prompt mix of the held-out set, a name in training/data.py MIXES (default paper)")
     ap.add_argument("--benchmarks", default=None, metavar="DIR",
@@ -72,16 +75,16 @@ def parse_args(argv):
                     "then _{mix} for a mix other than paper, then _t{T}_p{P}_k{K} with --temperature, then, for a "
                     "mix, _{digest of its prompts}, which leave out the configs' training texts; "
                     "runs/heldout_cache_benchmarks_skip{K}_n{N}[_t..] with --benchmarks)")
-    ap.add_argument("--last-legs", type=int, default=None, help="score only each config's last N legs (default: all)")
+    ap.add_argument("--last-legs", type=positive_int, default=None, help="score only each config's last N legs (default: all)")
     ap.add_argument("--heldout-only", action="store_true",
                     help="skip the training-sequence score (needed when the legs trained on different caches)")
     ap.add_argument("--quick", action="store_true", help="8 held-out prompts")
-    ap.add_argument("--out", default=str(REPO_ROOT / "docs" / "heldout_tau.json"))
+    ap.add_argument("--out", type=json_output, default=str(REPO_ROOT / "docs" / "heldout_tau.json"))
     args = ap.parse_args(argv)
     if args.num_prompts is None:
         args.num_prompts = (9 if args.benchmarks else 8) if args.quick else 48
-    if args.num_prompts < 1:
-        ap.error("--num-prompts must be >= 1")
+    if args.num_prompts < SCORE_BATCH:
+        ap.error(f"--num-prompts must be >= {SCORE_BATCH}: held-out answers are scored in whole batches of {SCORE_BATCH}")
     if args.benchmarks is not None:
         if args.mix is not None or args.data_seed is not None:
             ap.error("--benchmarks scores benchmark prompts: --mix and --data-seed do not apply")
@@ -89,8 +92,6 @@ def parse_args(argv):
             ap.error("--benchmarks needs --num-prompts divisible by 3 (one third per domain) and --benchmark-skip >= 0")
     args.mix = "paper" if args.mix is None else args.mix
     args.data_seed = 1 if args.data_seed is None else args.data_seed
-    if args.last_legs is not None and args.last_legs < 1:
-        ap.error("--last-legs must be >= 1")
     if args.temperature is None and (args.top_p is not None or args.top_k is not None):
         ap.error("--top-p and --top-k go with --temperature")
     if args.temperature is not None:
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
     if replayed:
         out["replay"] = {"max_new_tokens": args.replay, **replay_ratios(results, kinds, replayed)}
         print("replayed greedy decoding: " + json.dumps(out["replay"]))
-    Path(args.out).write_text(json.dumps(json_clean(out), indent=1))  # NaN (a slot never reached) -> null
+    write_json(args.out, json_clean(out), indent=1)  # NaN (a slot never reached) -> null
     print(f"wrote {args.out}")
     print(json.dumps({name: {k: r[k]["tau"] for k in ("heldout", "train") if k in r} for name, r in results.items()}))
     return 0

@@ -35,6 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.cli import positive_int
+from dspark_jax.eval.bench import (
+    json_output,
+    read_benchmark_prompts,
+    set_quick_defaults,
+    write_json,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOMAINS = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-bench.jsonl"}
 
@@ -51,19 +59,18 @@ def parse_args(argv):
     ap.add_argument("--data-seed", type=int, default=1, help="seed of the --mix prompts (default 1, the held-out seed)")
     ap.add_argument("--config", default=str(REPO_ROOT / "configs" / "smollm2_135m_dspark.py"),
                     help="training config whose legs' prompts --mix leaves out")
-    ap.add_argument("--prompts-per-domain", type=int, default=None, help="default 10 (--quick: 1)")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 512 (--quick: 64)")
-    ap.add_argument("--bucket", type=int, default=None, help="answer tokens per bucket; default 128 (--quick: 32)")
+    ap.add_argument("--prompts-per-domain", type=positive_int, default=None, help="default 10 (--quick: 1)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 512 (--quick: 64)")
+    ap.add_argument("--bucket", type=positive_int, default=None,
+                    help="answer tokens per bucket; default 128 (--quick: 32)")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="docs/long_answers.json")
+    ap.add_argument("--out", type=json_output, default=str(REPO_ROOT / "docs" / "long_answers.json"))
     args = ap.parse_args(argv)
     args.drafter = args.drafter or ["smollm2_135m_dspark"]
-    args.prompts_per_domain = args.prompts_per_domain or (1 if args.quick else 10)
-    args.max_new_tokens = args.max_new_tokens or (64 if args.quick else 512)
-    args.bucket = args.bucket or (32 if args.quick else 128)
+    set_quick_defaults(args, prompts_per_domain=(1, 10), max_new_tokens=(64, 512), bucket=(32, 128))
     if any(w < 1 for w in args.window):
         ap.error("--window must be >= 1")
-    if args.bucket < 1 or args.max_new_tokens < args.bucket:
+    if args.max_new_tokens < args.bucket:
         ap.error("need 1 <= --bucket <= --max-new-tokens")
     if args.mix is None and args.data_seed != 1:
         ap.error("--data-seed picks --mix prompts: pass --mix")
@@ -71,11 +78,9 @@ def parse_args(argv):
 
 
 def benchmark_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
-    from dspark_jax.eval.compare import read_prompts_jsonl
-
-    return {domain: [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                     for p in read_prompts_jsonl(Path(args.benchmarks) / name, args.prompts_per_domain)]
-            for domain, name in DOMAINS.items()}
+    texts = read_benchmark_prompts(args.benchmarks, DOMAINS.values(), args.prompts_per_domain)
+    return {domain: [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in group]
+            for domain, group in zip(DOMAINS, texts)}
 
 
 def mix_prompts(args, tokenizer) -> dict[str, list[list[int]]]:
@@ -132,7 +137,10 @@ def committed_by_bucket(decoder, prompts, *, max_new_tokens: int, bucket: int, s
 
 
 def bucket_names(max_new_tokens: int, bucket: int) -> list[str]:
-    return [f"{i * bucket}-{(i + 1) * bucket - 1}" for i in range(max_new_tokens // bucket)]
+    """The answer positions of each bucket; the last one also holds the rounds past the last whole
+    bucket (``committed_by_bucket``), so it ends at ``max_new_tokens - 1``."""
+    count = max_new_tokens // bucket
+    return [f"{i * bucket}-{(i + 1) * bucket - 1 if i < count - 1 else max_new_tokens - 1}" for i in range(count)]
 
 
 def tau_by_bucket(per_prompt: list[list[list[int]]], names: list[str]) -> dict:
@@ -209,9 +217,7 @@ def main(argv=None) -> int:
         "wall_s": time.time() - started,
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
     summary = {label: {k: None if v["tau"] is None else round(v["tau"], 3) for k, v in r["pooled"].items()}
                for label, r in results.items()}
     print(json.dumps(summary))

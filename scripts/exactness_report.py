@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.checkpoints.gguf import load_embedded_target
+from dspark_jax.cli import positive_int
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+from dspark_jax.eval.bench import json_output, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the report measures what the tests check, with the tests' helpers
@@ -37,6 +39,7 @@ from tests.prompts import random_drafter  # noqa: E402
 
 PROMPTS = ROOT / "tests" / "fixtures" / "exactness_prompts.jsonl"
 GAMMA, WIDTH = 7, 8
+DIVERGENCE_BATCHES = (1, 4)  # the batch sizes measure_divergence has prompt groups for
 
 
 def load_prompts(tokenizer) -> tuple[list[list[int]], list[str]]:
@@ -172,14 +175,19 @@ def measure_timing(target, prompts, rounds: int = 2, new_tokens: int = 48) -> di
     return {"decode_tok_s_b1": rates, "new_tokens": new_tokens}
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--part", action="append", choices=["delta", "divergence", "margins", "timing"])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--ells", type=int, nargs="+", default=[0, 1, 3, GAMMA])
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", choices=DIVERGENCE_BATCHES, default=list(DIVERGENCE_BATCHES))
+    parser.add_argument("--ells", type=int, nargs="+", choices=range(GAMMA + 1), default=[0, 1, 3, GAMMA],
+                        metavar="ELL", help=f"drafts verified per round, 0 to {GAMMA}")
+    parser.add_argument("--out", type=json_output)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     parts = args.part or ["delta", "divergence", "margins", "timing"]
     target, tokenizer = load_embedded_target()
     prompts, sources = load_prompts(tokenizer)
@@ -196,7 +204,7 @@ def main():
         summary["timing"] = measure_timing(target, prompts)
         print(json.dumps(summary["timing"]), flush=True)
     if args.out:
-        args.out.write_text(json.dumps(summary, indent=1))
+        write_json(args.out, summary, indent=1)
     short = {k: v for k, v in summary.items() if k != "delta"}
     if "divergence" in short:
         short["divergence"] = {k: v for k, v in short["divergence"].items()}

@@ -439,7 +439,7 @@ def test_eval_long_answers_buckets_rounds_by_where_they_start_in_the_answer():
 
     script = load_script("eval_long_answers")
     # The prefill emits position 0; rounds start at 1, 2, 5 and 7.
-    committed = script.committed_by_bucket(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_id=0)
+    committed = script.committed_by_bucket(Rounds(), [[1], [2]], max_new_tokens=8, bucket=4, stop_ids=[0])
     assert committed == [[[1, 3], [2, 4]]] * 2
     names = script.bucket_names(8, 4)
     assert script.tau_by_bucket(committed, names) == {"0-3": {"tau": 2.0, "rounds": 4}, "4-7": {"tau": 3.0, "rounds": 4}}

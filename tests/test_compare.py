@@ -116,3 +116,14 @@ def test_a_prompt_file_splits_only_on_newlines_and_names_a_line_that_is_not_utf8
     path.write_bytes(b'{"turns": ["fine"]}\n{"turns": ["caf\xe9"]}\n')
     with pytest.raises(ValueError, match=f"{path}:2: not UTF-8"):
         read_prompts_jsonl(path)
+
+
+def test_a_prompt_file_refuses_a_count_below_one_and_says_when_it_is_a_directory(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"turns": ["a"]}\n{"turns": ["b"]}\n')
+    assert read_prompts_jsonl(path, 1) == ["a"]
+    for limit in (0, -1):
+        with pytest.raises(ValueError, match=f"asked for {limit} prompts of .*: the count must be >= 1"):
+            read_prompts_jsonl(path, limit)
+    with pytest.raises(IsADirectoryError, match=f"prompt file {tmp_path} is a directory"):
+        read_prompts_jsonl(tmp_path)

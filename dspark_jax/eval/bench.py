@@ -1,19 +1,84 @@
-"""Shared pieces of the benchmark scripts (``scripts/bench_*.py``): timing and machine info."""
+"""Shared pieces of the benchmark scripts (``scripts/*.py``): their ``--out`` file, benchmark
+prompts, timing and machine info."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
-import jax
+# jax is imported where it is used: the scripts read their flags with this module, before any work.
+
+
+def json_output(text: str) -> Path:
+    """argparse type of a script's ``--out``: the JSON file, checked when the flags are read
+    rather than when it is written at the end of a run (minutes later): not a directory, in a
+    folder that exists (created here) and that this process can write."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory: give the JSON file a name (e.g. {path / 'result.json'})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create the folder of {path}: {error.strerror}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {path.parent}: choose another place for {path.name}")
+    return path
+
+
+def json_output_with_plot(text: str) -> Path:
+    """``json_output`` for a script that also draws a PNG beside the JSON (the same stem): an
+    ``--out`` ending in .png would be both files, and the plot would overwrite the JSON."""
+    path = json_output(text)
+    if path.suffix.lower() == ".png":
+        raise argparse.ArgumentTypeError(f"{path} names the JSON file; the PNG is written beside it with the same stem "
+                                         f"(give e.g. {path.with_suffix('.json')})")
+    return path
+
+
+def write_json(path, body, **dumps_options) -> Path:
+    """Write ``body`` as JSON to ``path`` whole or not at all: a run killed mid-write leaves any
+    earlier result intact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(body, **dumps_options) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def set_quick_defaults(args, **defaults: tuple) -> None:
+    """Each flag of ``defaults`` left unset (None) takes its ``(quick, full)`` default by
+    ``args.quick``: a default that depends on --quick cannot be argparse's, and ``args.x or
+    default`` would turn an explicit 0 into the default."""
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+
+def read_benchmark_prompts(directory, filenames, limit: int) -> list[list[str]]:
+    """The first ``limit`` first turns of each of ``filenames`` in ``--benchmarks directory``,
+    read before the target loads; a missing directory or file or a malformed line ends the
+    script with one line that names the file."""
+    from dspark_jax.eval.compare import read_prompts_jsonl
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SystemExit(f"--benchmarks {directory}: not a directory")
+    try:
+        return [read_prompts_jsonl(directory / name, limit) for name in filenames]
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--benchmarks: {error}") from None
 
 
 def machine_info() -> dict:
     import flax
+    import jax
 
     cpu_model = None
     try:
@@ -46,6 +111,8 @@ def stats_ms(times_s: list[float]) -> dict:
 
 def timed(fn, *args):
     """``(seconds, result)`` of one call, waiting for the device."""
+    import jax
+
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return time.perf_counter() - start, out

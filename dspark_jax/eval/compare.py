@@ -36,8 +36,13 @@ DOMAIN_FILES = {"math": "gsm8k.jsonl", "code": "humaneval.jsonl", "chat": "mt-be
 
 
 def read_prompts_jsonl(path, limit: int | None = None) -> list[str]:
-    """The first turn of each ``{"turns": [...]}`` line (the paper's MT-Bench protocol)."""
+    """The first turn of each ``{"turns": [...]}`` line (the paper's MT-Bench protocol), the
+    first ``limit`` of them when given."""
     path = Path(path)
+    if limit is not None and limit < 1:
+        raise ValueError(f"asked for {limit} prompts of {path}: the count must be >= 1")
+    if path.is_dir():
+        raise IsADirectoryError(f"prompt file {path} is a directory: give the .jsonl file in it")
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     prompts = []

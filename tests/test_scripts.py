@@ -1,0 +1,154 @@
+"""The benchmark scripts' flags and inputs, checked before any model loads (``scripts/*.py``)."""
+
+import json
+import math
+
+import pytest
+
+from tests.test_cli import REPO, load_script
+
+# Every script that writes a JSON report with --out (eval_calibration's --out is required).
+WRITERS = ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler", "bench_speculative", "bench_startup",
+           "bench_target", "eval_calibration", "eval_heldout", "eval_long_answers", "exactness_report"]
+PLOTTERS = ["bench_scheduler", "bench_speculative", "bench_target"]  # a PNG beside the JSON
+
+
+def parse(script: str, argv: list[str]):
+    return load_script(script).parse_args(argv)
+
+
+def refusal(script: str, argv: list[str], capsys) -> str:
+    """The one-line usage error ``script`` answers ``argv`` with."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse(script, argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("script", WRITERS)
+def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(script, tmp_path, capsys):
+    assert "is a directory: give the JSON file a name" in refusal(script, ["--out", str(tmp_path)], capsys)
+    (tmp_path / "file").write_text("")
+    assert "cannot create the folder of" in refusal(script, ["--out", str(tmp_path / "file" / "r.json")], capsys)
+    # A missing folder is made up front, not found missing when the run ends.
+    out = tmp_path / "new" / "deeper" / "r.json"
+    assert parse(script, ["--out", str(out)]).out == out and out.parent.is_dir()
+
+
+@pytest.mark.parametrize("script", PLOTTERS)
+def test_an_out_path_ending_in_png_is_refused_where_the_plot_goes_beside_the_json(script, tmp_path, capsys):
+    error = refusal(script, ["--out", str(tmp_path / "r.png")], capsys)
+    assert "names the JSON file; the PNG is written beside it" in error and "r.json" in error
+
+
+@pytest.mark.parametrize("script", ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler",
+                                    "bench_speculative", "bench_startup", "bench_target", "eval_heldout",
+                                    "eval_long_answers"])
+def test_default_out_paths_are_in_the_repository_docs_wherever_the_script_runs(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = parse(script, []).out
+    assert out.is_absolute() and out.parent.is_relative_to(REPO / "docs") and out.suffix == ".json"
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench_scheduler", ["--batches-per-size", "0"]),
+    ("bench_scheduler", ["--max-new-tokens", "0"]),
+    ("bench_batch", ["--per-set", "0"]),
+    ("bench_batch", ["--batch-size", "0"]),
+    ("bench_batch", ["--max-new-tokens", "0"]),
+    ("eval_long_answers", ["--prompts-per-domain", "0"]),
+    ("eval_long_answers", ["--max-new-tokens", "-1"]),
+    ("bench_target", ["--repeats", "0"]),
+    ("bench_target", ["--repeats", "-1"]),
+    ("bench_target", ["--steps", "0"]),
+    ("bench_drafter", ["--repeats", "0"]),
+    ("bench_startup", ["--rounds", "0"]),
+    ("bench_startup", ["--rounds", "-1"]),
+    ("eval_calibration", ["--prompts", "0", "--out", "x.json"]),
+    ("exactness_report", ["--new-tokens", "0"]),
+])
+def test_counts_below_one_are_usage_errors_not_the_default(script, argv, capsys):
+    flag, value = argv[0], argv[1]
+    assert refusal(script, argv, capsys).endswith(f"error: argument {flag}: must be >= 1, got {value}")
+
+
+def test_quick_defaults_fill_only_the_counts_left_unset():
+    args = parse("bench_scheduler", ["--quick", "--max-new-tokens", "1"])
+    assert (args.batches, args.batches_per_size, args.max_new_tokens) == ([1, 4], 1, 1)
+    args = parse("bench_target", ["--steps", "8", "4"])
+    assert args.steps == [1, 4, 8] and args.repeats == 15  # T = 1 is always measured: the ratios are against it
+
+
+def test_scheduler_ratios_are_nan_when_target_only_timed_no_decode_step():
+    """--max-new-tokens 1: every answer is the prefill's token, so no decode seconds to divide by."""
+    empty = {"tokens": 0, "decode_s": 0.0, "committed": [], "lengths": [], "widths": [], "plain_rounds": 0,
+             "identical": True}
+    table = load_script("bench_scheduler").results_table({"target_only": {1: dict(empty)}, "fixed:1": {1: dict(empty)}})
+    assert math.isnan(table["target_only"]["1"]["tokens_per_s"])
+    assert math.isnan(table["fixed:1"]["1"]["speedup"]) and table["fixed:1"]["1"]["rounds"] == 0
+
+
+def bad_benchmarks(tmp_path):
+    """A benchmark directory whose code set has a line without a first turn."""
+    for name in ("gsm8k", "mt-bench"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"turns": ["What is 2+2?"]}) + "\n")
+    (tmp_path / "humaneval.jsonl").write_text('{"turns": []}\n')
+    return tmp_path
+
+
+def test_bad_benchmark_prompts_end_the_scripts_with_one_line(tmp_path):
+    directory = bad_benchmarks(tmp_path)
+    scheduler, batch = load_script("bench_scheduler"), load_script("bench_batch")
+    with pytest.raises(SystemExit, match=r"^--benchmarks .*missing: not a directory$"):
+        scheduler.interleaved_texts(tmp_path / "missing", 3)
+    with pytest.raises(SystemExit, match=r"humaneval.jsonl:1: 'turns' must be a non-empty list of strings$"):
+        scheduler.interleaved_texts(directory, 3)
+    with pytest.raises(SystemExit, match=r"humaneval.jsonl:1: 'turns' must be a non-empty list of strings$"):
+        batch.prompt_texts(directory, ["humaneval"], 1)
+    with pytest.raises(SystemExit, match=r"nosuchset.jsonl does not exist$"):
+        batch.prompt_texts(directory, ["nosuchset"], 1)
+    with pytest.raises(SystemExit, match="gsm8k.jsonl has 1 prompts, fewer than --per-set 2"):
+        batch.prompt_texts(directory, ["gsm8k"], 2)
+    fixtures = REPO / "tests" / "fixtures" / "bench_prompts"
+    texts = batch.prompt_texts(fixtures, ["gsm8k", "humaneval"], 2)
+    first = {name: [json.loads(line)["turns"][0] for line in (fixtures / f"{name}.jsonl").read_text().splitlines()[:2]]
+             for name in ("gsm8k", "humaneval")}
+    assert texts == [first["gsm8k"][0], first["humaneval"][0], first["gsm8k"][1], first["humaneval"][1]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--temperature", "-1"], "--temperature/--top-k/--top-p: temperature must be 0 (greedy)"),
+    (["--top-p", "0"], "--temperature/--top-k/--top-p: top_p must be in"),
+    (["--drafter", "smollm2_135m_dflash"], "a dflash drafter has no confidence head to calibrate"),
+])
+def test_eval_calibration_checks_sampling_and_the_drafter_before_loading_the_target(argv, message, tmp_path, capsys):
+    assert message in refusal("eval_calibration", argv + ["--out", str(tmp_path / "c.json")], capsys)
+
+
+def test_exactness_report_takes_only_the_batch_sizes_it_has_prompt_groups_for(capsys):
+    assert "argument --batches: invalid choice: 2 (choose from 1, 4)" in refusal("exactness_report", ["--batches", "2"], capsys)
+    assert "argument --ells: invalid choice: 8" in refusal("exactness_report", ["--ells", "8"], capsys)
+    assert parse("exactness_report", ["--batches", "4"]).batches == [4]
+
+
+def test_eval_heldout_refuses_fewer_prompts_than_one_scoring_batch(capsys):
+    assert "--num-prompts must be >= 8" in refusal("eval_heldout", ["--num-prompts", "3"], capsys)
+    assert parse("eval_heldout", ["--num-prompts", "8"]).num_prompts == 8
+
+
+def test_eval_long_answers_last_bucket_ends_at_the_last_answer_position():
+    script = load_script("eval_long_answers")
+    # Rounds starting at 96-99 of 100 answer positions are counted in the last bucket.
+    assert script.bucket_names(100, 32) == ["0-31", "32-63", "64-99"]
+    assert script.bucket_names(96, 32) == ["0-31", "32-63", "64-95"]
+
+
+def test_write_json_replaces_the_file_whole(tmp_path):
+    from dspark_jax.eval.bench import write_json
+
+    out = tmp_path / "new" / "r.json"
+    write_json(out, {"a": 1})
+    write_json(out, {"b": [1, 2]}, indent=1)
+    assert json.loads(out.read_text()) == {"b": [1, 2]} and out.read_text().endswith("\n")
+    assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no partial file left behind
