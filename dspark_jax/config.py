@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import operator
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,33 @@ def read_json(path, default: dict | None = None) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object expected")
     return value
+
+
+def write_json(path, value, **dumps_options) -> Path:
+    """Write ``value`` as JSON to ``path`` whole or not at all (a temporary file renamed over it):
+    a process killed mid-write leaves the earlier file, never half of a new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(value, **dumps_options) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def output_file(path, what: str) -> Path:
+    """``path`` checked as a file ``write_json`` can write, before the work that fills it (minutes,
+    often) rather than after: not a directory, in a folder that exists (created here) and that
+    this process can write. ``what`` names the file in the errors."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: give {what} a file name (e.g. {path / 'result.json'})")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cannot create the folder of {path}: {error.strerror}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {what} into {path.parent}")
+    return path
 
 
 def as_ints(values, name: str) -> tuple[int, ...]:

@@ -29,11 +29,11 @@ import time
 from pathlib import Path
 
 from dspark_jax.cli import positive_int
+from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     json_output,
     read_benchmark_prompts,
     set_quick_defaults,
-    write_json,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

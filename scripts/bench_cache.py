@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.cli import positive_int
-from dspark_jax.eval.bench import json_output, write_json
+from dspark_jax.config import write_json
+from dspark_jax.eval.bench import json_output
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -36,7 +36,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from dspark_jax.cli import positive_int
-from dspark_jax.config import DrafterConfig, SamplingConfig
+from dspark_jax.config import DrafterConfig, SamplingConfig, write_json
 from dspark_jax.drafter.backbone import ContextCache
 from dspark_jax.drafter.model import Drafter
 from dspark_jax.eval.bench import (
@@ -45,7 +45,6 @@ from dspark_jax.eval.bench import (
     set_quick_defaults,
     stats_ms,
     timed,
-    write_json,
 )
 from dspark_jax.sampling import SamplingParams, request_keys
 

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from dspark_jax.cli import positive_int
-from dspark_jax.eval.bench import json_output, write_json
+from dspark_jax.config import write_json
+from dspark_jax.eval.bench import json_output
 
 REPO = Path(__file__).resolve().parents[1]
 WAYS = ("off", "cold", "warm")

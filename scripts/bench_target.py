@@ -44,14 +44,13 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from dspark_jax.cli import positive_int
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, write_json
 from dspark_jax.eval.bench import (
     json_output_with_plot,
     machine_info,
     set_quick_defaults,
     stats_ms,
     timed,
-    write_json,
 )
 from dspark_jax.models.layers import project
 

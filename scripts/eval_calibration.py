@@ -25,10 +25,10 @@ import numpy as np
 
 from dspark_jax.checkpoints.drafter import read_drafter_config
 from dspark_jax.cli import _encode, check_drafter_arg, load_drafter_arg, load_target, positive_int
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, write_json
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.drafters import resolve_drafter
-from dspark_jax.eval.bench import json_output, machine_info, write_json
+from dspark_jax.eval.bench import json_output, machine_info
 from dspark_jax.scheduler.prefix import calibration_for
 from dspark_jax.training.calibrate import (
     calibrated,

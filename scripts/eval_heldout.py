@@ -41,7 +41,8 @@ import sys
 from pathlib import Path
 
 from dspark_jax.cli import positive_int
-from dspark_jax.eval.bench import json_output, write_json
+from dspark_jax.config import write_json
+from dspark_jax.eval.bench import json_output
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_CONFIGS = [str(REPO_ROOT / "configs" / f"smollm2_135m_{k}.py") for k in ("dspark", "dflash", "eagle3")]

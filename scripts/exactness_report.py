@@ -29,9 +29,10 @@ import numpy as np
 
 from dspark_jax.checkpoints.gguf import load_embedded_target
 from dspark_jax.cli import positive_int
+from dspark_jax.config import write_json
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
-from dspark_jax.eval.bench import json_output, write_json
+from dspark_jax.eval.bench import json_output
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the report measures what the tests check, with the tests' helpers

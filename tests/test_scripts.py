@@ -27,7 +27,7 @@ def refusal(script: str, argv: list[str], capsys) -> str:
 
 @pytest.mark.parametrize("script", WRITERS)
 def test_an_out_path_that_cannot_be_written_is_refused_before_the_run(script, tmp_path, capsys):
-    assert "is a directory: give the JSON file a name" in refusal(script, ["--out", str(tmp_path)], capsys)
+    assert "is a directory: give the JSON file a file name" in refusal(script, ["--out", str(tmp_path)], capsys)
     (tmp_path / "file").write_text("")
     assert "cannot create the folder of" in refusal(script, ["--out", str(tmp_path / "file" / "r.json")], capsys)
     # A missing folder is made up front, not found missing when the run ends.
@@ -145,7 +145,7 @@ def test_eval_long_answers_last_bucket_ends_at_the_last_answer_position():
 
 
 def test_write_json_replaces_the_file_whole(tmp_path):
-    from dspark_jax.eval.bench import write_json
+    from dspark_jax.config import write_json
 
     out = tmp_path / "new" / "r.json"
     write_json(out, {"a": 1})

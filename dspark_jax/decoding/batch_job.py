@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from dspark_jax import multihost
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, write_json
 from dspark_jax.eval.metrics import tau_of
 from dspark_jax.sampling import seed_fits
 
@@ -305,10 +305,7 @@ class BatchJob:
                 self._holding = False
 
     def _start(self, manifest: dict) -> None:
-        self.output.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.manifest_path.with_name(self.manifest_path.name + ".tmp")
-        partial.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(partial, self.manifest_path)
+        write_json(self.manifest_path, manifest, indent=2)
         self.started = manifest
 
     def part(self, process: int, processes: int) -> BatchJob:

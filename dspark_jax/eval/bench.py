@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
+from dspark_jax.config import output_file
+
 # jax is imported where it is used: the scripts read their flags with this module, before any work.
 
 
 def json_output(text: str) -> Path:
     """argparse type of a script's ``--out``: the JSON file, checked when the flags are read
-    rather than when it is written at the end of a run (minutes later): not a directory, in a
-    folder that exists (created here) and that this process can write."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a directory: give the JSON file a name (e.g. {path / 'result.json'})")
+    (``config.output_file``) rather than when it is written at the end of a run."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"cannot create the folder of {path}: {error.strerror}") from None
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into {path.parent}: choose another place for {path.name}")
-    return path
+        return output_file(text, "the JSON file")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def json_output_with_plot(text: str) -> Path:
@@ -38,17 +32,6 @@ def json_output_with_plot(text: str) -> Path:
     if path.suffix.lower() == ".png":
         raise argparse.ArgumentTypeError(f"{path} names the JSON file; the PNG is written beside it with the same stem "
                                          f"(give e.g. {path.with_suffix('.json')})")
-    return path
-
-
-def write_json(path, body, **dumps_options) -> Path:
-    """Write ``body`` as JSON to ``path`` whole or not at all: a run killed mid-write leaves any
-    earlier result intact."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(body, **dumps_options) + "\n")
-    os.replace(partial, path)
     return path
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.config import SamplingConfig
+from dspark_jax.config import SamplingConfig, output_file, write_json
 from dspark_jax.decoding.autoregressive import bucket
 from dspark_jax.sampling import SamplingParams, request_keys
 from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy, cost_tables
@@ -106,14 +105,8 @@ def profiled(decoder, batches: Sequence[int] = (1,), **kwargs):
 
 def cost_table_path(path) -> Path:
     """Where ``save_cost_tables`` will write, checked before the profiling (minutes) rather than
-    after: not a directory, and in one this process can write (created if missing)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a directory: give the cost table a file name (e.g. {path / 'costs.json'})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write the cost table into {path.parent}")
-    return path
+    after (``config.output_file``)."""
+    return output_file(path, "the cost table")
 
 
 def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
@@ -124,10 +117,7 @@ def save_cost_tables(path, tables: dict[int, dict[int, float]], **info) -> Path:
         "tables": {str(b): {str(w): s for w, s in sorted(t.items())} for b, t in sorted(tables.items())},
         **info,
     }
-    partial = path.with_name(path.name + ".tmp")  # a kill mid-write leaves any earlier table whole
-    partial.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(partial, path)
-    return path
+    return write_json(path, body, indent=1)  # a kill mid-write leaves any earlier table whole
 
 
 def load_cost_tables(path) -> dict[int, dict[int, float]]:

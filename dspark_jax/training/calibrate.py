@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark_jax.config import write_json
+
 CALIBRATION_FILE = "calibration.json"
 MODES = ("greedy", "sampled")
 METHODS = ("platt", "sts")
@@ -219,11 +221,7 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
             return None if e.get("sampling") is None else SamplingConfig(**e["sampling"])
 
         body[mode] = [e for e in _entries(body, mode) if fitted_on(e) != sampling] + [entry]
-    # Written whole or not at all: a half-written file would stop the drafter from loading.
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(body, indent=1) + "\n")
-    os.replace(partial, path)
-    return path
+    return write_json(path, body, indent=1)  # whole or not at all: half a file would stop the drafter loading
 
 
 def check_calibration_dir(directory) -> Path:

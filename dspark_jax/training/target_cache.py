@@ -51,7 +51,14 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dspark_jax import multihost
-from dspark_jax.config import SamplingConfig, as_int, as_ints, check_context_taps, read_json
+from dspark_jax.config import (
+    SamplingConfig,
+    as_int,
+    as_ints,
+    check_context_taps,
+    read_json,
+    write_json,
+)
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
 from dspark_jax.models.layers import project
 from dspark_jax.models.target import TargetModel
@@ -245,10 +252,7 @@ class TargetCacheWriter:
         return manifest["num_shards"]
 
     def _write_manifest(self, manifest: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-        os.replace(tmp, self.dir / MANIFEST)
+        write_json(self.dir / MANIFEST, manifest, indent=2)
 
     def build(
         self, prompt_ids: Sequence[Sequence[int]], prompt_names: Sequence[str], *, progress: bool = True,
