@@ -101,7 +101,7 @@ def check_context_taps(tap_layers, num_layers: int) -> tuple[int, ...]:
     return taps
 
 
-def _from_mapping(cls, values: Mapping[str, Any], what: str):
+def from_mapping(cls, values: Mapping[str, Any], what: str):
     """Build ``cls`` from a mapping, refusing keys the dataclass does not know."""
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
@@ -178,12 +178,12 @@ class TargetConfig:
         if isinstance(self.rope_scaling, Mapping):
             # Accept a plain dict (e.g. from JSON) but store the validated dataclass.
             object.__setattr__(
-                self, "rope_scaling", _from_mapping(RopeScaling, self.rope_scaling, "rope_scaling")
+                self, "rope_scaling", from_mapping(RopeScaling, self.rope_scaling, "rope_scaling")
             )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TargetConfig:
-        return _from_mapping(cls, values, "TargetConfig")
+        return from_mapping(cls, values, "TargetConfig")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -374,4 +374,4 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DrafterConfig:
-        return _from_mapping(cls, values, "DrafterConfig")
+        return from_mapping(cls, values, "DrafterConfig")

@@ -5,6 +5,8 @@ import doctest
 import json
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -259,3 +261,11 @@ def test_other_seeds_can_repeat_training_prompts_and_the_exclusion_removes_them(
     assert repeated, "seed 1000 repeats no training prompt any more: the test lost its point"
     fresh = prompts_not_trained_on([shipped], 48, seed=1000, mix=MIX)
     assert len(fresh) == 48 - len(repeated) and not any(normalise_text(p.text) in trained for p in fresh)
+
+
+def test_build_prompts_refuses_python_run_with_OO():
+    """``python -OO`` strips the docstrings the code and chat pools are built from, so a seed would
+    silently give another prompt set than the one its caches and drafters were built on."""
+    result = subprocess.run([sys.executable, "-OO", "-c", "from dspark_jax.training.data import build_prompts; "
+                             "build_prompts(4)"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "ValueError: build_prompts: Python runs with -OO" in result.stderr, result.stderr

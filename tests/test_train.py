@@ -29,6 +29,7 @@ from dspark_jax.training.train import (
     LOG_FILE,
     SHARED_FIELDS,
     BatchSource,
+    NonFiniteLoss,
     Trainer,
     batch_completer,
     build_cache,
@@ -45,6 +46,7 @@ from dspark_jax.training.train import (
     schedule,
     train,
     train_together,
+    training_names,
 )
 from tests.multidevice import run_on_eight_devices, run_processes
 from tests.stored_arrays import assert_same_stored_arrays, assert_within_one_bf16_step
@@ -262,7 +264,9 @@ def test_cache_grows_in_place_when_prompts_are_appended(tmp_path, tiny_parts, si
     for a, b in zip(whole, partial):
         np.testing.assert_array_equal(a.input_ids, b.input_ids)
     # A run on the 3-prompt list reads its 3 answers, not the one appended to its last shard.
-    config = dataclasses.replace(tiny_parts[0], cache=spec, cache_dir=str(tmp_path / "partial"))
+    # (A run needs answers of 2 tokens at least, one anchor; reading the cache does not look.)
+    config = dataclasses.replace(tiny_parts[0], cache=dataclasses.replace(spec, min_response_tokens=2),
+                                 cache_dir=str(tmp_path / "partial"))
     assert [s.name for s in load_training_set(config, names[:3])] == names[:3]
     # Were that shared shard lost, the short list must not rewrite it without the appended prompt.
     for suffix in (".json", ".safetensors"):
@@ -435,6 +439,109 @@ def test_budgeted_training_refuses_drafters_on_other_data_or_a_bad_budget(tmp_pa
         run_budgeted([spark, dataclasses.replace(flash, name=spark.name)], 60.0, progress=False)
     with pytest.raises(ValueError, match="data_fraction"):
         run_budgeted([spark], 60.0, data_fraction=1.0, progress=False)
+
+
+# --- refusals: one line, before the target cache is built ------------------------------------
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(learning_rate="3e-3"), "TrainConfig.learning_rate must be a finite number > 0, got '3e-3'"),
+    (dict(learning_rate=-1e-3), "TrainConfig.learning_rate must be a finite number > 0, got -0.001"),
+    (dict(learning_rate=float("nan")), "TrainConfig.learning_rate must be a finite number > 0, got nan"),
+    (dict(clip_norm=0.0), "TrainConfig.clip_norm must be a finite number > 0, got 0.0"),
+    (dict(clip_norm=-1.0), "TrainConfig.clip_norm must be a finite number > 0, got -1.0"),
+    (dict(warmup_fraction=2.0), "TrainConfig.warmup_fraction must be a finite number in [0, 1), got 2.0"),
+    (dict(steps=4.5), "TrainConfig.steps must be an int, got 4.5"),
+    (dict(batch_size=True), "TrainConfig.batch_size must be an int, got True"),
+    (dict(cache_shards=0), "TrainConfig.cache_shards must be >= 1, got 0"),
+    (dict(seed=-1), "TrainConfig.seed must be >= 0, got -1"),
+    # A str is not its digits: "12" was seeds ("1", "2"), and heldout_seed=1 passed as no data seed.
+    (dict(data_seed="12"), "TrainConfig.data_seed must be an int or a tuple of distinct ints, got '12'"),
+    (dict(data_seed=(0, 1.5)), "every entry of TrainConfig.data_seed must be an int, got 1.5"),
+    # An answer of one token has no anchor: a cache of them trained on a loss of 0 and exported.
+    (dict(cache=CacheSpec(tap_layers=(0,), max_prompt_tokens=192, min_response_tokens=1)),
+     "TrainConfig.cache.min_response_tokens must be >= 2"),
+])
+def test_a_train_config_refuses_values_it_cannot_train_with(change, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(load_config(TINY), **change)
+
+
+def test_a_train_config_takes_numpy_numbers_as_python_ones():
+    config = dataclasses.replace(load_config(TINY), steps=np.int64(5), learning_rate=np.float32(0.5), data_seed=[0, 2])
+    assert type(config.steps) is int and type(config.learning_rate) is float and config.data_seeds == (0, 2)
+
+
+@pytest.mark.parametrize("text, said", [
+    ("CONFIG = (\n", "SyntaxError: '(' was never closed"),
+    (TINY.read_text().replace("learning_rate=", "learning_rat="), "TypeError: "),
+    ("CONFIG = TrainConfg()\n", "NameError: name 'TrainConfg' is not defined"),
+    (TINY.read_text().replace("batch_size=4", "batch_size=0"), "TrainConfig.batch_size must be >= 1, got 0"),
+])
+def test_a_config_file_that_fails_is_a_one_line_error_naming_it(tmp_path, capsys, text, said):
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    assert cli_main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dspark train: error: {path}: {said}") and err.count("\n") == 1, err
+
+
+def test_a_run_refuses_a_bad_drafter_or_out_dir_before_building_the_cache(tmp_path, monkeypatch, embedded_target):
+    """Each of these failed only after the target cache was built (a TypeError traceback for the
+    unknown key); ``run`` and ``run_budgeted`` now build the drafter's config first."""
+    target, tokenizer = embedded_target
+    monkeypatch.setattr(train_module, "load_target", lambda config: (target.truncated(config.target_layers), tokenizer))
+    monkeypatch.setattr(train_module, "build_cache", lambda *a, **k: pytest.fail("the target cache was built"))
+    tiny = dataclasses.replace(load_config(TINY), out_dir=str(tmp_path / "run"))
+    (tmp_path / "a_file").write_text("")
+    for change, message in ((dict(drafter={**tiny.drafter, "blok_size": 4}), "unknown keys ['blok_size']"),
+                            (dict(drafter={**tiny.drafter, "block_size": 0}), "block_size (γ) must be >= 1, got 0"),
+                            (dict(drafter={**tiny.drafter, "kind": "dspak"}), "got 'dspak'"),
+                            (dict(drafter={**tiny.drafter, "draft_vocab_size": 10**6}), "draft_vocab_size must be in"),
+                            (dict(cache=dataclasses.replace(tiny.cache, tap_layers=())), "at least one tapped"),
+                            (dict(out_dir=str(tmp_path / "a_file")), "a_file is a file, not a directory"),
+                            (dict(out_dir=str(tmp_path / "a_file" / "run")), "a_file, a file, not a directory")):
+        config = dataclasses.replace(tiny, **change)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run(config, progress=False)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            run_budgeted([config], 60.0, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_trainer_without_sequences_says_why():
+    """Every answer dropped as too short: an IndexError on ``sequences[0]`` before."""
+    with pytest.raises(ValueError, match=re.escape("holds no answer to train on: every answer was shorter than "
+                                                   "min_response_tokens (8)")):
+        Trainer(load_config(TINY), None, [])
+
+
+def test_prompts_left_out_for_their_length_are_counted_by_domain(embedded_target, capsys):
+    """Prompts over max_prompt_tokens are left out, not evenly across domains: said, per domain."""
+    tokenizer = embedded_target[1]
+    tiny = load_config(TINY)
+    capped = dataclasses.replace(tiny, cache=dataclasses.replace(tiny.cache, max_prompt_tokens=64))
+    names = training_names(capped, tokenizer)
+    said = re.search(r"tiny_test leaves out (\d+) of its 64 training prompts, longer than max_prompt_tokens "
+                     r"\(64\): (.*)\n", capsys.readouterr().err)
+    assert said and int(said[1]) == 64 - len(names) > 0
+    per_domain = re.findall(r"(\w+) (\d+) of (\d+)", said[2])
+    assert sum(int(n) for _, n, _ in per_domain) == int(said[1]) and len(per_domain) > 1
+    with pytest.raises(ValueError, match=re.escape("none of the 64 training prompts fits max_prompt_tokens (1 ")):
+        training_names(dataclasses.replace(tiny, cache=dataclasses.replace(tiny.cache, max_prompt_tokens=1)), tokenizer)
+
+
+def test_a_non_finite_loss_stops_the_run_before_it_is_saved(tmp_path, tiny_parts):
+    """A damaged cache (here NaN features) gave a NaN loss every step, saved and exported: the first
+    such step now stops the run, named, before it is checkpointed; the last checkpoint stays."""
+    config, target, sequences = tiny_parts
+    config = dataclasses.replace(config, out_dir=str(tmp_path / "run"), steps=4, checkpoint_every=2)
+    assert train(config, target, sequences, stop_after=2, progress=False) is None
+    damaged = [dataclasses.replace(s, features=np.full_like(s.features, np.nan)) for s in sequences]
+    with pytest.raises(NonFiniteLoss, match=r"step 2 has loss nan .* its last checkpoint \(step 2\) .* is kept"):
+        train(config, target, damaged, progress=False)
+    saved = [int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()]
+    assert max(saved) == 2 and not (tmp_path / "run" / "drafter").exists()
 
 
 def test_timing_a_step_compiles_it_without_moving_the_run(tmp_path, tiny_parts):

@@ -25,7 +25,8 @@ from it: a fix is a new domain version.
 
 Nothing is read from outside the standard library, so the same seed gives the same prompts on
 any machine with the same Python 3.11 patch release (docstrings change rarely even across patch
-releases; ``python -OO`` strips docstrings and would shrink the code and chat pools).
+releases; ``python -OO`` strips docstrings and would shrink the code and chat pools, so
+:func:`build_prompts` refuses to run under it).
 
 The set must never overlap the evaluation benchmarks: :func:`check_no_overlap` flags exact
 matches and shared 12-word spans, and :func:`check_against_benchmarks` is what a training
@@ -44,6 +45,7 @@ import json
 import math
 import random
 import re
+import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -1549,6 +1551,10 @@ def build_prompts(num_prompts: int, seed: int = 0, mix: Mapping[str, float] = MI
     """
     if num_prompts < 0:
         raise ValueError(f"num_prompts must be >= 0, got {num_prompts}")
+    if sys.flags.optimize >= 2:  # the code and chat pools read docstrings, which -OO strips
+        raise ValueError("build_prompts: Python runs with -OO (or PYTHONOPTIMIZE=2), which strips the docstrings "
+                         "the code and chat prompts are built from, so a seed would give other prompts: run "
+                         "without it")
     seen: set[str] = set()
     prompts = []
     for domain, count in _domain_counts(num_prompts, mix).items():

@@ -29,7 +29,8 @@ the same loss curve as an uninterrupted one; ``run.json`` records the settings, 
 settings that change what a step computes is refused (``claim_run_dir``). ``log.jsonl`` gets one line per step (every loss
 term, the analytic acceptance estimate, learning rate, gradient norm), and with
 ``heldout_prompts`` the τ and loss on the target's answers to fresh prompts (``heldout_mix``) every
-``heldout_every`` steps: the curve that says when more steps on this data stop paying.
+``heldout_every`` steps: the curve that says when more steps on this data stop paying. A step
+whose loss or gradient norm is not finite stops the run (``NonFiniteLoss``) before it is saved.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
+import numbers
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,7 @@ from tqdm.auto import tqdm
 
 from dspark_jax import multihost
 from dspark_jax.checkpoints.drafter import CONFIG_FILE, build_drafter, load_drafter, save_drafter
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig, as_int, as_ints, from_mapping
 from dspark_jax.drafter.model import select_draft_vocab
 from dspark_jax.training.losses import TrainBatch, drafter_loss, eagle3_loss
 from dspark_jax.training.target_cache import (
@@ -69,6 +72,10 @@ from dspark_jax.training.target_cache import (
 )
 
 LOG_FILE = "log.jsonl"
+# TrainConfig's int fields, and those that may also be None.
+_INT_FIELDS = ("num_prompts", "steps", "batch_size", "seq_len", "num_anchors", "anchor_chunk", "seed",
+               "checkpoint_every", "heldout_prompts", "heldout_seed", "heldout_every")
+_OPTIONAL_INT_FIELDS = ("target_layers", "data_parallel", "cache_shards")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,12 +122,43 @@ class TrainConfig:
     heldout_cache_dir: str | None = None  # default: out_dir/heldout_cache
 
     def __post_init__(self):
-        if isinstance(self.cache, dict):
-            object.__setattr__(self, "cache", CacheSpec(**self.cache))
+        # Types are checked here, at load_config, not as a TypeError after the target cache is built.
+        if isinstance(self.cache, Mapping):
+            object.__setattr__(self, "cache", from_mapping(CacheSpec, self.cache, "TrainConfig.cache"))
+        if not isinstance(self.cache, CacheSpec):
+            raise ValueError(f"TrainConfig.cache must be a CacheSpec or a dict of its fields, got {self.cache!r}")
+        if not isinstance(self.drafter, Mapping):
+            raise ValueError(f"TrainConfig.drafter must be a dict of DrafterConfig fields, got {self.drafter!r}")
+        for name in _INT_FIELDS:
+            object.__setattr__(self, name, as_int(getattr(self, name), f"TrainConfig.{name}"))
+        for name in _OPTIONAL_INT_FIELDS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, as_int(getattr(self, name), f"TrainConfig.{name}", "an int or None"))
         for name in ("steps", "batch_size", "seq_len", "num_anchors", "anchor_chunk", "checkpoint_every", "num_prompts",
-                     "heldout_every"):
-            if getattr(self, name) < 1:
+                     "heldout_every") + _OPTIONAL_INT_FIELDS:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:  # numpy's generators, which draw the batches, take no negative seed
+            raise ValueError(f"TrainConfig.seed must be >= 0, got {self.seed}")
+        # A negative learning rate or clip norm climbs the loss, a zero one freezes the drafter; a
+        # warm-up over every step never reaches the peak (``schedule``).
+        for name, wanted, ok in (("learning_rate", "> 0", lambda v: v > 0), ("clip_norm", "> 0", lambda v: v > 0),
+                                 ("warmup_fraction", "in [0, 1)", lambda v: 0 <= v < 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+                raise ValueError(f"TrainConfig.{name} must be a finite number {wanted}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        # An int, or a collection of ints: a str would be iterated as its digits.
+        if isinstance(self.data_seed, Iterable) and not isinstance(self.data_seed, (str, bytes)):
+            object.__setattr__(self, "data_seed", as_ints(self.data_seed, "TrainConfig.data_seed"))
+        else:
+            object.__setattr__(self, "data_seed", as_int(self.data_seed, "TrainConfig.data_seed",
+                                                         "an int or a tuple of distinct ints"))
+        # An anchor needs its next token in the response too (``anchor_candidates``): shorter
+        # answers give no block to train on, and a set of them trains on a loss of 0.
+        if self.cache.min_response_tokens < 2:
+            raise ValueError(f"TrainConfig.cache.min_response_tokens must be >= 2 (an anchor and the response token "
+                             f"after it), got {self.cache.min_response_tokens}")
         seeds = self.data_seeds
         if not seeds or len(set(seeds)) != len(seeds):
             raise ValueError(f"TrainConfig.data_seed must be an int or distinct ints, got {self.data_seed!r}")
@@ -144,7 +182,8 @@ class TrainConfig:
         if not isinstance(self.init_from, (TrainConfig, str, os.PathLike, type(None))):
             raise ValueError(f"init_from must be a TrainConfig, a drafter directory or None, got {self.init_from!r}")
         if self.target_init_layers is not None:
-            object.__setattr__(self, "target_init_layers", tuple(int(i) for i in self.target_init_layers))
+            object.__setattr__(self, "target_init_layers",
+                               as_ints(self.target_init_layers, "TrainConfig.target_init_layers"))
             if self.init_from is not None:
                 raise ValueError("target_init_layers starts a drafter from scratch; init_from starts it from a "
                                  "trained one: set one of them")
@@ -237,7 +276,11 @@ def load_config(path) -> TrainConfig:
         raise ValueError(f"{path} is not a Python config file (configs/NAME.py)")
     spec = importlib.util.spec_from_file_location(f"dspark_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # SyntaxError, an unknown TrainConfig keyword, a NameError: one line, by path
+        said = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        raise ValueError(f"{path}: {said}") from error
     config = getattr(module, "CONFIG", None)
     if not isinstance(config, TrainConfig):
         raise ValueError(f"{path} must define CONFIG = TrainConfig(...)")
@@ -298,9 +341,17 @@ def drafter_config(config: TrainConfig, target: TargetConfig) -> DrafterConfig:
     }.get(config.kind)
     if builder is None:
         raise ValueError(f"drafter kind must be dspark, dflash or eagle3, got {config.kind!r}")
+    # DrafterConfig's fields but the two a run fills in, and for_target's own keywords.
+    known = {f.name for f in dataclasses.fields(DrafterConfig)} - {"backbone", "tap_layers"} | {"num_layers", "qk_norm"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"TrainConfig.drafter: unknown keys {unknown}; known keys: {sorted(known)}")
     if config.kind != "eagle3":
         fields = {"num_layers": 1, **fields}
-    return builder(target, tap_layers=config.cache.tap_layers, **fields)
+    try:
+        return builder(target, tap_layers=config.cache.tap_layers, **fields)
+    except TypeError as error:  # a missing mask_token_id, a value of the wrong type: one line, not a traceback
+        raise ValueError(f"TrainConfig.drafter: {error}") from error
 
 
 # ------------------------------------------------------------------------------------------
@@ -536,6 +587,7 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
         if progress:
             print(f"training prompts checked against {checked} benchmark prompts: no overlap")
     ids, names = render_prompts(config, prompts, tokenizer)
+    say_left_out(config, prompts, names)
     writer = TargetCacheWriter(target, config.cache, config.cache_path, stop_ids=tokenizer.stop_ids,
                                mesh=make_mesh(config.data_parallel, local=True))
     writer.build(ids, names, progress=progress, num_shards=config.cache_shards, deadline=deadline)
@@ -544,7 +596,10 @@ def build_cache(config: TrainConfig, target, tokenizer, *, progress: bool = True
 
 def training_names(config: TrainConfig, tokenizer) -> list[str]:
     """Ids of the prompts ``config`` trains on, in cache order (``build_cache`` without building)."""
-    return _within_cache_shards(config, render_prompts(config, training_prompts(config), tokenizer)[1])
+    prompts = training_prompts(config)
+    names = render_prompts(config, prompts, tokenizer)[1]
+    say_left_out(config, prompts, names)
+    return _within_cache_shards(config, names)
 
 
 def _within_cache_shards(config: TrainConfig, names: list[str]) -> list[str]:
@@ -622,6 +677,26 @@ def render_prompts(config: TrainConfig, prompts, tokenizer) -> tuple[list[list[i
             ids.append(tokens)
             names.append(prompt.id)
     return ids, names
+
+
+def say_left_out(config: TrainConfig, prompts, names: list[str]) -> None:
+    """Say how many training prompts of each domain ``render_prompts`` left out for their length:
+    domains' lengths differ, so a tight ``max_prompt_tokens`` shifts the mix ``data_mix`` asks for.
+    None left is an error."""
+    if len(names) == len(prompts):
+        return
+    if not names:
+        raise ValueError(f"{config.name}: none of the {len(prompts)} training prompts fits max_prompt_tokens "
+                         f"({config.cache.max_prompt_tokens} tokens with the chat template): raise it")
+    kept = set(names)
+    totals, left = {}, {}
+    for prompt in prompts:
+        totals[prompt.domain] = totals.get(prompt.domain, 0) + 1
+        left[prompt.domain] = left.get(prompt.domain, 0) + (prompt.id not in kept)
+    if multihost.is_lead():
+        said = ", ".join(f"{d} {left[d]} of {totals[d]}" for d in sorted(totals) if left[d])
+        print(f"note: {config.name} leaves out {len(prompts) - len(names)} of its {len(prompts)} training prompts, "
+              f"longer than max_prompt_tokens ({config.cache.max_prompt_tokens}): {said}", file=sys.stderr)
 
 
 def draft_vocab(config: TrainConfig, sequences, vocab_size: int) -> np.ndarray | None:
@@ -720,6 +795,10 @@ class Trainer:
     steps it can afford."""
 
     def __init__(self, config: TrainConfig, target, sequences, *, heldout=None, completion_from: Trainer | None = None):
+        if not sequences:
+            raise ValueError(f"{config.name}: the target cache {config.cache_path} holds no answer to train on: every "
+                             f"answer was shorter than min_response_tokens ({config.cache.min_response_tokens}); raise "
+                             "max_new_tokens or lower min_response_tokens, in a fresh cache_dir")
         self.config, self.heldout = config, heldout
         self.out = Path(config.out_dir).absolute()
         cfg = drafter_config(config, target.cfg)
@@ -812,6 +891,20 @@ class Trainer:
                             config, self.heldout)
 
 
+class NonFiniteLoss(ValueError):
+    """A training step whose loss or gradient norm is NaN or infinite (a damaged target cache, a
+    learning rate that diverges): the run stops there, its last checkpoint kept, nothing exported."""
+
+    def __init__(self, trainer: Trainer, config: TrainConfig, record: dict):
+        trainer.manager.wait_until_finished()  # a save under way counts as kept
+        kept = trainer.manager.latest_step()
+        kept = ("no checkpoint was saved yet" if kept is None
+                else f"its last checkpoint (step {kept}) in {trainer.out / 'checkpoints'} is kept")
+        super().__init__(f"{config.name}: step {record['step']} has loss {record['loss']} and gradient norm "
+                         f"{record['grad_norm']}: training stopped without saving or exporting it, and {kept}; "
+                         f"check the target cache {config.cache_path} (NaN features) or lower learning_rate")
+
+
 def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_after: int | None = None,
                    deadline: float | None = None, progress: bool = True):
     """Train every trainer to ``steps`` (default: each config's) on the same batches: a batch is
@@ -860,6 +953,12 @@ def train_together(trainers: list[Trainer], steps: int | None = None, *, stop_af
                 metrics = trainer.step(batch, lr(step))
                 record = {"step": step, "lr": float(lr(step)), **_scalars(metrics),
                           "seconds": time.perf_counter() - t0, "batch_seconds": batch_seconds}
+                if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                    # The step's parameters are no use (NaN stays NaN): stop before they are saved.
+                    if log is not None:
+                        log.write(json.dumps(record) + "\n")
+                        log.flush()
+                    raise NonFiniteLoss(trainer, config, record)
                 if trainer.heldout is not None and (done % config.heldout_every == 0 or done == total):
                     scored = trainer.heldout_metrics(config)
                     record.update(heldout_tau=scored["tau"], heldout_tau_greedy=scored["tau_greedy"],
@@ -891,6 +990,17 @@ def train(config: TrainConfig, target, sequences, *, heldout=None, stop_after: i
     return None if trained is None else trained[0]
 
 
+def check_before_cache(config: TrainConfig, target) -> None:
+    """Refuse, before the target cache is built (minutes to hours), a drafter ``config`` cannot
+    build for ``target`` and an ``out_dir`` that cannot be a directory."""
+    drafter_config(config, target.cfg)
+    out = Path(config.out_dir).absolute()
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == out else f"is below {existing}, a file"
+        raise ValueError(f"TrainConfig.out_dir {config.out_dir} {where}, not a directory: give the run another out_dir")
+
+
 def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> Path:
     """Save the trained drafter to ``out_dir/drafter`` with a summary of its run (the lead process
     writes it; every process returns once it is written)."""
@@ -915,13 +1025,18 @@ def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> 
     return out
 
 
-def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True) -> Path | None:
-    """The whole pipeline; returns the exported drafter directory (None if stopped early)."""
+def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = True,
+        loaded: tuple | None = None) -> Path | None:
+    """The whole pipeline; returns the exported drafter directory (None if stopped early).
+    ``loaded``: the ``load_target(config)`` pair, where the caller has it (a later leg's run)."""
     progress = progress and multihost.is_lead()
     training_mesh(config)
+    target, tokenizer = loaded or load_target(config)
+    check_before_cache(config, target)  # and before an earlier leg trains
     if isinstance(config.init_from, TrainConfig) and not (config.init_dir / CONFIG_FILE).exists():
-        run(config.init_from, progress=progress)
-    target, tokenizer = load_target(config)
+        leg = config.init_from
+        same_target = (leg.target_checkpoint, leg.target_layers) == (config.target_checkpoint, config.target_layers)
+        run(leg, progress=progress, loaded=(target, tokenizer) if same_target else None)
     sequences = load_training_set(config, build_cache(config, target, tokenizer, progress=progress))
     heldout = build_heldout_cache(config, target, tokenizer, progress=progress) if config.heldout_prompts else None
     start = time.perf_counter()
@@ -978,6 +1093,8 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
         raise ValueError(f"{BUDGET_FILE} is missing or differs across {[str(p) for p in plans]}: "
                          "resume the runs that planned together, or start in fresh out_dirs")
     target, tokenizer = load_target(first)
+    for config in configs:
+        check_before_cache(config, target)
     if plan is None:
         names = build_cache(first, target, tokenizer, progress=progress, deadline=clock + data_fraction * budget_s)
     else:
