@@ -331,3 +331,31 @@ def test_a_drafter_normalises_q_and_k_as_its_target_does_unless_told(kind):
         assert (attention.q_norm is not None, attention.k_norm is not None) == (expected, expected)
     out = attention.o.weight[...]
     assert abs(float(jnp.std(out)) * out.shape[1] ** 0.5 - 1) < 0.05
+
+
+@pytest.mark.parametrize("markov, reduced", [("vanilla", False), ("gated", True), ("rnn", False), ("rnn", True)])
+def test_a_proposal_scores_its_tokens_as_training_does(markov, reduced):
+    """Spec §2.4-§2.5, §3.1: the corrected logits a block was drawn from and its confidence logits
+    are the teacher-forced ones (what training fits) with the drawn tokens as the previous tokens,
+    for every head; a padded row of the batch (empty context) changes no other row."""
+    cfg, drafter = make(markov_head=markov, reduced=reduced)
+    embed = head()
+    if reduced:
+        drafter.init_draft_head(embed)
+    features = jax.random.normal(jax.random.PRNGKey(1), (3, 6, cfg.context_size))
+    cache = drafter.extend_context(embed, drafter.new_context(3, 32), features, None, jnp.asarray([6, 0, 4]))
+    params = SamplingParams.from_configs([SamplingConfig(temperature=1.0)] * 3)
+    keys = jax.vmap(lambda k: jax.random.split(k, GAMMA))(request_keys([1, 2, 3]))
+    block, confidence = drafter.propose(embed, embed, cache, jnp.asarray([3, 0, 8]), params, keys)
+    assert block.tokens_BxG.dtype == jnp.int32 and confidence.dtype == jnp.float32
+    assert block.corrected_logits_BxGxN.shape == (3, GAMMA, len(DRAFT_IDS) if reduced else cfg.vocab_size)
+    h = drafter.backbone.forward_block(embed, cache, jnp.asarray([3, 0, 8]))
+    logits, expected = drafter.teacher_forced(h, embed, block.prev_tokens_BxG)
+    np.testing.assert_allclose(block.corrected_logits_BxGxN, logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(confidence, expected, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(np.asarray(block.q_BxGxV)).all()
+    alone = drafter.extend_context(embed, drafter.new_context(1, 32), features[2:], None, jnp.asarray([4]))
+    one, conf_one = drafter.propose(embed, embed, alone, jnp.asarray([8]),
+                                    SamplingParams.from_configs([SamplingConfig(temperature=1.0)]), keys[2:])
+    np.testing.assert_array_equal(one.tokens_BxG, block.tokens_BxG[2:])
+    np.testing.assert_allclose(conf_one, confidence[2:], rtol=1e-5, atol=1e-5)

@@ -59,8 +59,13 @@ def test_round_trip(tmp_path, kind, storage):
 def test_refusals(tmp_path):
     cfg = configs()["dspark"]
     save_drafter(build_drafter(cfg, draft_vocab_ids=IDS), tmp_path)
-    with pytest.raises(ValueError, match="hidden_size"):
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / 'config.json'))}: drafter does not fit the "
+                                         "target: hidden_size: drafter 48, target 64"):
         load_drafter(tmp_path, target=tiny_config(num_layers=4, hidden_size=64, head_dim=16))
+    with pytest.raises(ValueError, match="vocab_size: drafter 97, target 120"):
+        load_drafter(tmp_path, target=tiny_config(num_layers=4, vocab_size=120))
+    with pytest.raises(ValueError, match=r"tap layer ids \[2\] are outside the target's decoder layers 0..1"):
+        load_drafter(tmp_path, target=tiny_config(num_layers=2))
     tensors = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
     del tensors["markov.w1"]
     tensors["backbone.fc.weight"] = tensors["backbone.fc.weight"][:, :-1]
@@ -97,3 +102,208 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, file, damage
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(ValueError, match=f"{re.escape(str(path))} {match}"):
         load_drafter(tmp_path)
+
+
+def _edit_tensors(path, edit):
+    """Rewrite ``path``'s tensors through ``edit``, keeping the file's metadata (its save id)."""
+    with safetensors.safe_open(str(path), "np") as f:
+        metadata = f.metadata()
+    tensors = safetensors.numpy.load_file(str(path))
+    edit(tensors)
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
+
+
+def _set(name, value):
+    return lambda tensors: tensors.__setitem__(name, value(tensors[name]))
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_set("markov.w1", lambda w: w.astype(np.int32)), r"markov.w1 is stored as int32, not a floating-point type"),
+        (_set("draft_head.d2t", lambda d: d.astype(np.float32)), r"draft_head.d2t is stored as float32, not integers"),
+        (_set("markov.w1", lambda w: np.where(np.arange(w.size).reshape(w.shape) == 3, np.nan, w)),
+         r"non-finite values \(NaN or inf\) in \['markov.w1'\]"),
+        (lambda t: t.pop("draft_head.d2t"), r"missing \['draft_head.d2t'\]"),
+        (_set("draft_head.d2t", lambda d: d[:-1]), r"draft_head.d2t: file \(32,\), model \(33,\)"),
+        (_set("draft_head.d2t", lambda d: np.concatenate([d[:-1], [1000]]).astype(np.int32)),
+         r"draft_head.d2t .*draft_vocab_ids must be distinct target ids in \[0, 97\)"),
+    ],
+    ids=["float-as-int", "d2t-as-float", "nan-weight", "d2t-missing", "d2t-short", "d2t-out-of-vocab"],
+)
+def test_a_damaged_tensor_is_an_error_naming_the_file_and_tensor(tmp_path, edit, match):
+    """Wrong dtypes and non-finite weights used to load silently (cast, or NaN drafts later); a bad
+    d2t map used to fail inside the model's constructor without naming the checkpoint."""
+    save_drafter(build_drafter(configs()["dspark"], draft_vocab_ids=IDS), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    _edit_tensors(weights, edit)
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))}.*{match}"):
+        load_drafter(tmp_path)
+
+
+def test_a_path_that_is_not_a_whole_checkpoint_directory_is_named(tmp_path):
+    cfg = configs()["dflash"]
+    a_file = tmp_path / "drafter.bin"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match=f"{re.escape(str(a_file))} is a file, not a drafter checkpoint directory"):
+        load_drafter(a_file)
+    with pytest.raises(ValueError, match=f"{re.escape(str(a_file))} is a file, not a directory"):
+        save_drafter(build_drafter(cfg), a_file)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_drafter(tmp_path / "nowhere")
+    checkpoint = save_drafter(build_drafter(cfg), tmp_path / "ckpt")
+    (checkpoint / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="has no model.safetensors.*incomplete"):
+        load_drafter(checkpoint)
+    (checkpoint / "model.safetensors").mkdir()
+    with pytest.raises(ValueError, match=f"{re.escape(str(checkpoint / 'model.safetensors'))} is not a file"):
+        load_drafter(checkpoint)
+    (checkpoint / "model.safetensors").rmdir()
+    save_drafter(build_drafter(cfg), checkpoint)
+    (checkpoint / "config.json").unlink()
+    with pytest.raises(ValueError, match="has model.safetensors but no config.json.*incomplete"):
+        load_drafter(checkpoint)
+    (checkpoint / "config.json").mkdir()
+    with pytest.raises(ValueError, match=f"{re.escape(str(checkpoint / 'config.json'))} is not a file"):
+        load_drafter(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda config: b"\xff\xfe{}", "is not valid JSON"),
+        (lambda config: json.dumps({**config, "metadata": [1]}).encode(), "'metadata' must be a JSON object"),
+    ],
+    ids=["not-utf8", "metadata-not-object"],
+)
+def test_a_damaged_config_field_is_named(tmp_path, edit, match):
+    save_drafter(build_drafter(configs()["dflash"]), tmp_path)
+    path = tmp_path / "config.json"
+    path.write_bytes(edit(json.loads(path.read_text())))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}.*{match}"):
+        load_drafter(tmp_path)
+
+
+def _same_weights(a, b):
+    before, after = drafter_tensors(a), drafter_tensors(b)
+    return before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_a_save_that_fails_midway_leaves_the_earlier_drafter(tmp_path):
+    """Metadata json cannot write used to fail after the new weights were in place: the directory
+    then loaded the new weights under the old config without a word."""
+    cfg = configs()["dspark"]
+    first, second = (build_drafter(cfg, seed=s, draft_vocab_ids=IDS) for s in (1, 2))
+    save_drafter(first, tmp_path, metadata={"run": 1})
+    with pytest.raises(TypeError, match="metadata must be JSON-serialisable .*nothing was written"):
+        save_drafter(second, tmp_path, metadata={"loss": object()})
+    with pytest.raises(TypeError, match="metadata must be a dict"):
+        save_drafter(second, tmp_path, metadata=[1])
+    loaded = load_drafter(tmp_path)
+    assert _same_weights(loaded, first) and read_drafter_config(tmp_path)[1] == {"run": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]  # nothing left over
+
+
+def test_a_save_killed_between_its_two_files_is_refused_on_load(tmp_path, monkeypatch):
+    """A kill after the weights are replaced but before config.json is: the two files come from
+    different saves (with equal shapes, nothing else would notice)."""
+    import dspark_jax.checkpoints.drafter as module
+
+    cfg = configs()["dspark"]
+    first, second = (build_drafter(cfg, seed=s, draft_vocab_ids=IDS) for s in (1, 2))
+    save_drafter(first, tmp_path)
+    real_replace = module.os.replace
+
+    def killed_before_config(src, dst):
+        if str(dst).endswith("config.json"):
+            raise KeyboardInterrupt  # the process dies here
+        real_replace(src, dst)
+
+    monkeypatch.setattr(module.os, "replace", killed_before_config)
+    with pytest.raises(KeyboardInterrupt):
+        save_drafter(second, tmp_path)
+    monkeypatch.setattr(module.os, "replace", real_replace)
+    with pytest.raises(ValueError, match="come from different saves"):
+        load_drafter(tmp_path)
+    save_drafter(second, tmp_path)  # saving again repairs it
+    assert _same_weights(load_drafter(tmp_path), second)
+
+
+def test_weights_from_another_save_are_refused(tmp_path):
+    """Two checkpoints of one architecture, config.json of one beside the weights of the other."""
+    cfg = configs()["dflash"]
+    a = save_drafter(build_drafter(cfg, seed=1), tmp_path / "a")
+    b = save_drafter(build_drafter(cfg, seed=2), tmp_path / "b")
+    (a / "model.safetensors").write_bytes((b / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=f"{re.escape(str(a))}: config.json and model.safetensors come from "
+                                         "different saves"):
+        load_drafter(a)
+    # Files from before save ids (the shipped drafters) carry none and still load.
+    legacy = tmp_path / "legacy"
+    save_drafter(build_drafter(cfg, seed=1), legacy)
+    config = json.loads((legacy / "config.json").read_text())
+    del config["weights_id"]
+    (legacy / "config.json").write_text(json.dumps(config))
+    tensors = safetensors.numpy.load_file(str(legacy / "model.safetensors"))
+    safetensors.numpy.save_file(tensors, str(legacy / "model.safetensors"))
+    load_drafter(legacy)
+
+
+def test_a_resave_round_trips_and_keeps_the_calibration(tmp_path):
+    from dspark_jax.config import SamplingConfig
+    from dspark_jax.training.calibrate import read_calibrations, save_calibration
+
+    cfg = configs()["dspark-draft-rows"]
+    drafter = build_drafter(cfg, seed=4, draft_vocab_ids=IDS)
+    save_drafter(drafter, tmp_path, storage_dtype="float32", metadata={"steps": 3})
+    save_calibration(tmp_path, {"method": "sts", "temperatures": [1.5, 2.0, 0.5]}, SamplingConfig())
+    calibrations = read_calibrations(tmp_path)
+    loaded = load_drafter(tmp_path, target=TARGET)
+    save_drafter(loaded, tmp_path, storage_dtype="float32", metadata={"steps": 3})
+    again = load_drafter(tmp_path, target=TARGET)
+    assert again.cfg == cfg and _same_weights(again, drafter)
+    assert read_drafter_config(tmp_path)[1] == {"steps": 3}
+    assert read_calibrations(tmp_path) == calibrations
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibration.json", "config.json", "model.safetensors"]
+
+
+def test_storage_dtype_applies_to_a_drafter_held_in_bfloat16(tmp_path):
+    """numpy does not count bfloat16 as floating: a bf16 drafter saved as float32 kept bf16 tensors."""
+    import jax.numpy as jnp
+
+    drafter = build_drafter(configs()["dspark"], draft_vocab_ids=IDS, dtype=jnp.bfloat16)
+    save_drafter(drafter, tmp_path, storage_dtype="float32")
+    stored = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    assert {str(v.dtype) for k, v in stored.items() if k != "draft_head.d2t"} == {"float32"}
+    assert stored["draft_head.d2t"].dtype == np.int32
+    assert _same_weights(load_drafter(tmp_path, dtype=jnp.bfloat16), drafter)
+
+
+def test_the_shipped_drafters_load():
+    """They predate save ids (neither file has one) and must keep loading."""
+    import dataclasses
+
+    from dspark_jax.drafters import SHIPPED, shipped_drafter_path
+
+    for name in SHIPPED:
+        cfg, _ = read_drafter_config(shipped_drafter_path(name))
+        smollm2 = dataclasses.replace(cfg.backbone, num_layers=30)  # what check_target reads of the embedded target
+        assert load_drafter(shipped_drafter_path(name), target=smollm2).cfg == cfg
+
+
+def test_save_refuses_to_overwrite_another_programs_checkpoint(tmp_path):
+    """A directory holding someone else's config.json (a Hugging Face model's, say) used to be
+    overwritten, weights too; a damaged drafter config may still be saved over (the repair)."""
+    hf = tmp_path / "SmolLM2"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    (hf / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ValueError, match=f"{re.escape(str(hf / 'config.json'))} is not a dspark-jax-drafter config"):
+        save_drafter(build_drafter(configs()["dflash"]), hf)
+    assert (hf / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in hf.iterdir()) == ["config.json", "model.safetensors"]
+    damaged = save_drafter(build_drafter(configs()["dflash"]), tmp_path / "damaged")
+    (damaged / "config.json").write_text("{half")
+    drafter = build_drafter(configs()["dflash"], seed=5)
+    save_drafter(drafter, damaged)
+    assert _same_weights(load_drafter(damaged), drafter)

@@ -2,14 +2,22 @@
 
 A drafter checkpoint never holds the target's embedding or LM head: those are frozen, shared and
 passed in at run time (spec §1.1), so a shipped drafter is a few MB and cannot drift from its
-target's weights. Tensors are named by their NNX state path (``backbone.layers.0.attn.qkv.weight``)
+target's weights. Tensors are named by their NNX state path (``backbone.layers.0.kv.weight``)
 and may be stored in bfloat16 to halve the file; they load back in the dtype asked for. The
 reduced head's draft->target id map (``draft_head.d2t``) is stored as int32 with the weights.
+
+Both files carry one random save id (``weights_id`` in ``config.json``, the same key in the
+safetensors header): each file is written under a temporary name and renamed over the old one,
+so a save killed between the two renames leaves two whole files from different saves, which
+``load_drafter`` refuses by their ids. Checkpoints written before save ids have neither and load
+as before.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import uuid
 from pathlib import Path
 
 import jax
@@ -28,6 +36,8 @@ VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+WEIGHTS_ID = "weights_id"  # the save id, in config.json and in the safetensors header
+D2T = "draft_head.d2t"
 
 
 def build_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32, draft_vocab_ids=None):
@@ -48,36 +58,98 @@ def drafter_tensors(drafter) -> dict[str, np.ndarray]:
     return {_path_name(path): np.asarray(leaf) for path, leaf in leaves}
 
 
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)  # numpy's issubdtype says no for bfloat16
+
+
+def _check_overwritable(path: Path) -> None:
+    """Refuse to save over a ``config.json`` that is clearly another program's (a Hugging Face
+    model directory given by mistake would lose its config and weights). An unreadable one is
+    taken for a damaged drafter's, which saving again repairs."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent, unreadable or not JSON (UnicodeDecodeError is a ValueError)
+        return
+    if isinstance(raw, dict) and raw.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} config (format={raw.get('format')!r}): refusing to overwrite "
+                         "another program's checkpoint; save the drafter into its own directory")
+
+
 def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata: dict | None = None) -> Path:
-    """Write ``drafter`` to ``directory`` (created); float tensors stored as ``storage_dtype``."""
+    """Write ``drafter`` to ``directory`` (created); float tensors stored as ``storage_dtype``.
+
+    Other files in the directory (``calibration.json``) are kept. Saving over an earlier drafter
+    replaces each file whole; a save that fails or is killed part-way leaves the earlier drafter,
+    or a pair of files that ``load_drafter`` refuses (module docstring), never a silent mix.
+    """
     if storage_dtype not in STORAGE_DTYPES:
         raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: value.astype(STORAGE_DTYPES[storage_dtype]) if np.issubdtype(value.dtype, np.floating) else value
-        for name, value in drafter_tensors(drafter).items()
-    }
-    safetensors.numpy.save_file(tensors, str(out / WEIGHTS_FILE))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a directory: a drafter checkpoint is a directory "
+                         f"({CONFIG_FILE} + {WEIGHTS_FILE}); give save_drafter a directory path")
+    if metadata is not None and not isinstance(metadata, dict):  # load_drafter reads a JSON object
+        raise TypeError(f"save_drafter: metadata must be a dict, got {type(metadata).__name__}")
+    _check_overwritable(out / CONFIG_FILE)
+    weights_id = uuid.uuid4().hex
     config = {
         "format": FORMAT,
         "version": VERSION,
         "drafter": drafter.cfg.to_dict(),
         "storage_dtype": storage_dtype,
         "metadata": metadata or {},
+        WEIGHTS_ID: weights_id,
     }
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    try:  # before any file is touched: metadata JSON cannot hold must not cost the earlier drafter
+        config_text = json.dumps(config, indent=2) + "\n"
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"save_drafter: metadata must be JSON-serialisable ({error}); nothing was written") from error
+    tensors = {
+        name: value.astype(STORAGE_DTYPES[storage_dtype]) if _is_float(value.dtype) else value
+        for name, value in drafter_tensors(drafter).items()
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    partial = {name: out / f"{name}.tmp" for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    try:
+        safetensors.numpy.save_file(tensors, str(partial[WEIGHTS_FILE]), metadata={WEIGHTS_ID: weights_id})
+        partial[CONFIG_FILE].write_text(config_text)
+    except BaseException:
+        for path in partial.values():
+            path.unlink(missing_ok=True)
+        raise
+    # Weights first: a kill between the renames leaves new weights beside the old config, which
+    # the save ids tell apart; a symlinked file (a shared copy) is replaced, its target untouched.
+    os.replace(partial[WEIGHTS_FILE], out / WEIGHTS_FILE)
+    os.replace(partial[CONFIG_FILE], out / CONFIG_FILE)
     return out
 
 
-def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
-    """The drafter config and the free-form metadata of a checkpoint directory."""
-    path = Path(directory) / CONFIG_FILE
+def _checkpoint_dir(directory) -> Path:
+    """``directory`` checked as a drafter checkpoint directory that has its ``config.json``."""
+    directory = Path(directory)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory} does not exist: not a drafter checkpoint (a directory holding "
+                                f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is a file, not a drafter checkpoint directory: give the directory that "
+                         f"holds its {CONFIG_FILE} and {WEIGHTS_FILE}")
+    path = directory / CONFIG_FILE
     if not path.exists():
+        if (directory / WEIGHTS_FILE).exists():  # half a checkpoint, not some other directory
+            raise ValueError(f"{directory} has {WEIGHTS_FILE} but no {CONFIG_FILE}: the checkpoint is incomplete "
+                             "(an interrupted save or copy); save or copy it again")
         raise FileNotFoundError(f"{directory} is not a drafter checkpoint: no {CONFIG_FILE}")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file: the checkpoint is damaged")
+    return directory
+
+
+def _read_config(directory) -> tuple[DrafterConfig, dict]:
+    """The drafter config of a checkpoint directory and its whole checked ``config.json``."""
+    path = _checkpoint_dir(directory) / CONFIG_FILE
     try:
         raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON ({error}): the checkpoint is damaged") from error
     if not isinstance(raw, dict):
         raise ValueError(f"{path} is not a {FORMAT} config: a JSON object expected, got {raw!r}")
@@ -87,26 +159,67 @@ def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
         raise ValueError(f"{path} has format version {raw.get('version')}; this code reads version {VERSION}")
     if not isinstance(raw.get("drafter"), dict):
         raise ValueError(f"{path} has no 'drafter' section (the drafter's config): the checkpoint is damaged")
+    if not isinstance(raw.get("metadata", {}), dict):
+        raise ValueError(f"{path}: 'metadata' must be a JSON object, got {raw['metadata']!r}: the checkpoint is damaged")
     try:
         cfg = DrafterConfig.from_dict(raw["drafter"])
     except (TypeError, ValueError) as error:  # a missing field is a TypeError from the dataclass
         raise ValueError(f"{path} holds no valid drafter config: {error}") from error
+    return cfg, raw
+
+
+def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
+    """The drafter config and the free-form metadata of a checkpoint directory."""
+    cfg, raw = _read_config(directory)
     return cfg, raw.get("metadata", {})
 
 
-def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.float32):
-    """Load a drafter; with ``target`` given, refuse one that does not fit it (naming why)."""
-    cfg, _ = read_drafter_config(directory)
-    if target is not None:
-        cfg.check_target(target)
-    weights = Path(directory) / WEIGHTS_FILE
+def _read_weights(directory: Path) -> tuple[dict[str, np.ndarray], str | None]:
+    """The tensors of ``directory``'s weights file and its save id (None before save ids)."""
+    weights = directory / WEIGHTS_FILE
+    if not weights.exists():
+        raise ValueError(f"{directory} has no {WEIGHTS_FILE} beside its {CONFIG_FILE}: the checkpoint is incomplete "
+                         "(an interrupted save or copy); save or copy it again")
+    if not weights.is_file():
+        raise ValueError(f"{weights} is not a file: the checkpoint is damaged")
     try:
-        tensors = safetensors.numpy.load_file(str(weights))
-    except safetensors.SafetensorError as error:
+        with safetensors.safe_open(str(weights), "np") as f:
+            header = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (safetensors.SafetensorError, OSError) as error:
         raise ValueError(f"{weights} is not a readable safetensors file ({error}): the checkpoint is damaged or "
                          "incompletely written") from error
-    ids = tensors.get("draft_head.d2t")
-    abstract = nnx.eval_shape(lambda: build_drafter(cfg, dtype=dtype, draft_vocab_ids=ids))
+    return tensors, header.get(WEIGHTS_ID)
+
+
+def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.float32):
+    """Load a drafter; with ``target`` given, refuse one that does not fit it (naming why).
+
+    Every way a checkpoint can be damaged is a ``ValueError`` naming the file: tensors missing,
+    unexpected, of the wrong shape or kind (integer weights, a float ``d2t``), non-finite weights,
+    and a ``config.json`` and ``model.safetensors`` from different saves.
+    """
+    cfg, raw = _read_config(directory)
+    directory = Path(directory)
+    if target is not None:
+        try:
+            cfg.check_target(target)
+        except ValueError as error:  # say which checkpoint: a run may load several
+            raise ValueError(f"{directory / CONFIG_FILE}: {error} (a drafter is trained for one target: train or "
+                             "pick one for this target)") from None
+    weights = directory / WEIGHTS_FILE
+    tensors, weights_id = _read_weights(directory)
+    ids = tensors.get(D2T) if cfg.draft_vocab_size is not None else None
+    if ids is not None and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{weights}: {D2T} is stored as {ids.dtype}, not integers (the reduced head's draft -> "
+                         "target token ids): the checkpoint is damaged")
+    # A missing or mis-shaped d2t is reported with the other tensors below: build with a stand-in.
+    usable = ids is not None and ids.shape == (cfg.draft_vocab_size,)
+    stand_in = np.arange(cfg.draft_vocab_size) if cfg.draft_vocab_size is not None else None
+    try:
+        abstract = nnx.eval_shape(lambda: build_drafter(cfg, dtype=dtype, draft_vocab_ids=ids if usable else stand_in))
+    except ValueError as error:  # only the ids can be wrong here: the config was checked
+        raise ValueError(f"{weights}: {D2T} holds no valid draft vocabulary ({error}): the checkpoint is damaged") from None
     graphdef, abstract_state = nnx.split(abstract)
     expected = {
         _path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
@@ -120,8 +233,25 @@ def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.flo
     )
     if missing or unexpected or wrong:
         raise ValueError(
-            f"drafter checkpoint {directory} does not match its config: missing {missing}, "
-            f"unexpected {unexpected}, wrong shapes {wrong}"
+            f"{weights} does not match the drafter config in {CONFIG_FILE}: missing {missing}, unexpected "
+            f"{unexpected}, wrong shapes {wrong}; the checkpoint is damaged, or its two files come from different drafters"
+        )
+    for name, leaf in sorted(expected.items()):  # a cast would hide a damaged or foreign file
+        kind = tensors[name].dtype
+        if _is_float(leaf.dtype) and not _is_float(kind):
+            raise ValueError(f"{weights}: {name} is stored as {kind}, not a floating-point type: the checkpoint is "
+                             "damaged or was not written by save_drafter")
+    bad = sorted(name for name, value in tensors.items()
+                 if _is_float(value.dtype) and not np.isfinite(value.astype(np.float32)).all())
+    if bad:
+        raise ValueError(f"{weights}: non-finite values (NaN or inf) in {bad}: the drafter's weights are damaged "
+                         "(a diverged run or a corrupted file); use an earlier checkpoint or train again")
+    if weights_id != raw.get(WEIGHTS_ID):
+        raise ValueError(
+            f"{directory}: {CONFIG_FILE} and {WEIGHTS_FILE} come from different saves (save ids "
+            f"{raw.get(WEIGHTS_ID)} and {weights_id}): a save into this directory was interrupted, or the files were "
+            "copied from two checkpoints; save the drafter again or copy both files from one checkpoint (after "
+            f"editing {WEIGHTS_FILE} on purpose, drop '{WEIGHTS_ID}' from {CONFIG_FILE})"
         )
 
     def fill(path, leaf):
