@@ -19,6 +19,7 @@ from dspark_jax.checkpoints.hf import (
     save_hf_checkpoint,
 )
 from dspark_jax.config import TargetConfig
+from dspark_jax.models.target import TargetModel
 from tests.tiny import llama_cpp_permute, tiny_config, tiny_target
 
 QWEN3 = dict(qk_norm=True, head_dim=24, tie_word_embeddings=False, architecture="qwen3")
@@ -274,3 +275,255 @@ def test_embedded_target_config(embedded_target):
     assert target.num_params == 134_515_008
     assert tokenizer.eos_token_id == 2 and tokenizer.bos_token_id == 1
     assert jax.tree.leaves(target.params)[0].dtype == jnp.float32
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF files as llama.cpp writes them: tensor types, architectures, checks before dequantizing
+
+_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def gguf_tensors(target) -> dict[str, np.ndarray]:
+    """A target's weights under GGUF names, q/k rows permuted for llama as llama.cpp's converter does."""
+    from dspark_jax.checkpoints.gguf import _LAYER_TENSORS
+
+    kinds = {hf_name: kind for kind, hf_name in _LAYER_TENSORS.items()}
+    cfg, out = target.cfg, {}
+    for name, value in hf_tensors_from_module(target.module()).items():
+        if name in _GGUF_GLOBALS:
+            out[_GGUF_GLOBALS[name]] = value
+            continue
+        layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
+        kind = kinds[hf_name.removesuffix(".weight")]
+        if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+            value = llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        out[f"blk.{layer}.{kind}.weight"] = value
+    return out
+
+
+def write_gguf(path, cfg, tensors, *, arch=None, qtype=None, metadata=None):
+    """A GGUF file for ``cfg`` holding ``tensors`` (GGUF names; matrices quantized to ``qtype``),
+    with a minimal byte-level BPE vocabulary; ``metadata(writer)`` adds or overrides keys."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch or cfg.architecture)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    if metadata:
+        metadata(writer)
+    for name, value in tensors.items():
+        if qtype is not None and value.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+GGUF_SIZES = dict(hidden_size=64, intermediate_size=128)  # rows of whole 32-value Q8_0/Q4_0 blocks
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("overrides", [{}, QWEN3], ids=["llama", "qwen3"])
+def test_a_gguf_loads_with_the_weights_gguf_dequantizes(tmp_path, overrides, qtype):
+    """Each tensor type is dequantized by the ``gguf`` package; llama's q/k rows are unpermuted
+    (after dequantizing, which is row-wise, so the order does not matter), qwen3's are left alone."""
+    import gguf
+
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=12, **GGUF_SIZES, **overrides)
+    quant = gguf.GGMLQuantizationType[qtype]
+    path = write_gguf(tmp_path / f"{qtype}.gguf", target.cfg, gguf_tensors(target), qtype=quant)
+    loaded, _ = load_gguf(path, cache=False)
+    assert loaded.cfg == target.cfg
+    expected = {name: gguf.quants.dequantize(gguf.quants.quantize(value, quant), quant) if value.ndim == 2 else value
+                for name, value in hf_tensors_from_module(target.module()).items()}
+    want = TargetModel.from_module(module_from_hf_tensors(target.cfg, expected))
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _refuse_to_dequantize(monkeypatch):
+    import gguf
+
+    real = gguf.quants.dequantize
+
+    def refuse(data, qtype):
+        if data.shape[0] > 1:  # one block is how the loader asks whether a type can be read
+            raise AssertionError("dequantized before the file was checked")
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+
+
+def test_a_gguf_tensor_type_gguf_cannot_dequantize_is_refused_by_name(tmp_path, monkeypatch):
+    """gguf's ``dequantize`` raises a bare NotImplementedError naming neither tensor nor file; the
+    loader names both, and what it can read, before dequantizing anything."""
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=13, **GGUF_SIZES)
+    tensors = gguf_tensors(target)
+    tensors["output_norm.weight"] = tensors["output_norm.weight"].astype(np.float64)
+    tensors["blk.1.ffn_norm.weight"] = tensors["blk.1.ffn_norm.weight"].astype(np.float64)
+    path = write_gguf(tmp_path / "f64.gguf", target.cfg, tensors)
+    _refuse_to_dequantize(monkeypatch)
+    with pytest.raises(ValueError) as error:
+        load_gguf(path, cache=False)
+    message = str(error.value)
+    assert message.startswith(f"{path}: ")
+    assert "2 tensors of type F64 (output_norm.weight, blk.1.ffn_norm.weight)" in message
+    assert "supported:" in message and "Q4_K" in message and "Q8_0" in message and "BF16" in message
+
+
+def test_a_gguf_that_does_not_match_its_metadata_fails_before_dequantizing(tmp_path, monkeypatch):
+    """A mismatched file (a llama-architecture mixture of experts, a missing tensor) is refused from
+    its header, in milliseconds, not after dequantizing gigabytes to float32."""
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=14, **GGUF_SIZES)
+    tensors = gguf_tensors(target)
+    del tensors["blk.2.ffn_down.weight"]
+    path = write_gguf(tmp_path / "missing.gguf", target.cfg, tensors)
+    _refuse_to_dequantize(monkeypatch)
+    with pytest.raises(ValueError, match=f"{path}: checkpoint does not match .* 1 missing: model.layers.2.mlp.down_proj"):
+        load_gguf(path, cache=False)
+    moe = gguf_tensors(target)
+    for kind in ("ffn_gate", "ffn_up", "ffn_down"):
+        moe[f"blk.0.{kind}_exps.weight"] = np.stack([moe.pop(f"blk.0.{kind}.weight")] * 2)
+    path = write_gguf(tmp_path / "moe.gguf", target.cfg, moe, metadata=lambda w: w.add_expert_count(2))
+    with pytest.raises(ValueError, match=f"{path}: .*mixture-of-experts.*llama.expert_count = 2"):
+        load_gguf(path, cache=False)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_an_unsupported_gguf_architecture_is_refused_naming_the_file(tmp_path, arch):
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=15, **GGUF_SIZES)
+    path = write_gguf(tmp_path / f"{arch}.gguf", target.cfg, gguf_tensors(target), arch=arch)
+    with pytest.raises(ValueError, match=f"{path}: unsupported GGUF architecture '{arch}'; supported: llama, qwen3"):
+        load_gguf(path, cache=False)
+
+
+def test_a_gguf_with_partial_rotary_embeddings_is_refused(tmp_path):
+    """``rope.dimension_count`` below the head size rotates only part of each head: loading it as a
+    full rotation would give silently wrong logits."""
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=16, **GGUF_SIZES)
+    path = write_gguf(tmp_path / "partial.gguf", target.cfg, gguf_tensors(target),
+                      metadata=lambda w: w.add_rope_dimension_count(8))
+    with pytest.raises(ValueError, match=r"llama.rope.dimension_count = 8 .* head size \(16\)"):
+        load_gguf(path, cache=False)
+
+
+def test_a_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
+    """AWQ/GPTQ/FP8 exports keep quantized weights (or scales beside them) under the HF names: refused
+    by their quantization_config, not by a list of hundreds of unexpected tensors."""
+    save_hf_checkpoint(tiny_target(seed=17).module(), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json: quantized checkpoints .*quant_method 'awq'"):
+        load_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(QWEN3, rms_norm_eps=1e-6, rope_theta=1e6)], ids=["llama", "qwen3"])
+def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, overrides):
+    """``dspark convert`` writes what ``load_gguf`` made of the file (dequantized, q/k unpermuted):
+    the HF directory loads back to the same config and logits."""
+    import gguf
+
+    from dspark_jax import cli
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=18, **GGUF_SIZES, **overrides)
+    path = write_gguf(tmp_path / "q8.gguf", target.cfg, gguf_tensors(target), qtype=gguf.GGMLQuantizationType.Q8_0)
+    assert cli.main(["convert", "--gguf", str(path), "--out", str(tmp_path / "hf")]) == 0
+    from_gguf, _ = load_gguf(path, cache=False)
+    converted, _ = cli.load_target(str(tmp_path / "hf"))
+    assert converted.cfg == from_gguf.cfg == target.cfg
+    np.testing.assert_array_equal(logits_of(converted), logits_of(from_gguf))
+    np.testing.assert_allclose(logits_of(converted), logits_of(target), atol=0.1)  # Q8_0: close, not equal
+
+
+def test_a_qwen3_config_without_head_dim_takes_transformers_default():
+    """Qwen3Config's head_dim defaults to 128, not hidden_size // num_attention_heads (Llama's)."""
+    hf = {k: v for k, v in config_to_hf(tiny_config(**QWEN3)).items() if k != "head_dim"}
+    assert config_from_hf(hf).head_dim == 128
+    assert config_from_hf(dict(hf, model_type="llama")).head_dim == 48 // 4
+
+
+def test_gguf_rope_scaling_is_refused_naming_the_field(tmp_path):
+    """linear / YaRN scaling: refused by field and value (the HF loader refuses them too, so the
+    message must not send the user there)."""
+    import gguf
+
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=19, **GGUF_SIZES, **QWEN3)
+
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+
+    path = write_gguf(tmp_path / "yarn.gguf", target.cfg, gguf_tensors(target), metadata=yarn)
+    with pytest.raises(ValueError) as error:
+        load_gguf(path, cache=False)
+    assert "qwen3.rope.scaling.type = 'yarn'" in str(error.value) and "HF checkpoint" not in str(error.value)
+
+
+def test_a_gguf_missing_a_required_key_is_refused_naming_it(tmp_path):
+    """Not ``int(None)``'s TypeError: the missing key (or a per-layer list where one number belongs) is named."""
+    import gguf
+
+    from dspark_jax.checkpoints.gguf import config_from_gguf
+
+    writer = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "llama")
+    writer.add_head_count(4)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF metadata has no 'llama.block_count'"):
+        config_from_gguf(gguf.GGUFReader(str(tmp_path / "partial.gguf")))
+    writer = gguf.GGUFWriter(str(tmp_path / "per-layer.gguf"), "llama")
+    writer.add_block_count(2)
+    writer.add_head_count([4, 8])
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(128)
+    writer.add_token_list(["a", "b"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"GGUF metadata 'llama.attention.head_count' is \[4, 8\], not one integer"):
+        config_from_gguf(gguf.GGUFReader(str(tmp_path / "per-layer.gguf")))
+
+
+def test_one_part_of_a_split_gguf_is_refused_naming_the_split(tmp_path):
+    """llama.cpp's gguf-split writes big models as NAME-00001-of-0000N.gguf; one part alone is
+    named as such, not reported as hundreds of missing tensors."""
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=20, **GGUF_SIZES)
+    path = write_gguf(tmp_path / "m-00001-of-00002.gguf", target.cfg, gguf_tensors(target),
+                      metadata=lambda w: (w.add_uint16("split.no", 0), w.add_uint16("split.count", 2)))
+    with pytest.raises(ValueError, match=r"part 1 of 2 of a split GGUF; .*llama-gguf-split --merge"):
+        load_gguf(path, cache=False)

@@ -96,34 +96,59 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _integer(reader, key: str, default: int | None = None) -> int:
+    """An integer entry, required without a ``default``: named when missing, and a per-layer list
+    (some architectures vary head counts by layer) refused rather than passed to ``int``."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata has no {key!r}")
+    if not isinstance(value, (int, np.integer)):
+        raise ValueError(f"GGUF metadata {key!r} is {value!r}, not one integer")
+    return int(value)
+
+
 def config_from_gguf(reader) -> TargetConfig:
+    parts = _field(reader, "split.count", 1)
+    if parts > 1:  # gguf-split's parts: the metadata is in the first, the tensors spread over all
+        raise ValueError(f"this is part {_field(reader, 'split.no', 0) + 1} of {parts} of a split GGUF; "
+                         "join the parts with `llama-gguf-split --merge FIRST_PART OUT.gguf` and load that")
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen3"):
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen3")
     names = {t.name for t in reader.tensors}
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
-    head_dim = _field(reader, f"{arch}.attention.key_length") or _field(reader, f"{arch}.rope.dimension_count")
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise ValueError("GGUF files with RoPE scaling are not supported yet; load the HF checkpoint")
+    if _field(reader, f"{arch}.expert_count", 0):  # Mixtral is written as llama, with ffn_*_exps tensors
+        raise ValueError(f"mixture-of-experts models are not supported ({arch}.expert_count = "
+                         f"{_field(reader, f'{arch}.expert_count')})")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):  # linear / yarn: the HF loader refuses them as well
+        raise ValueError(f"unsupported RoPE scaling ({arch}.rope.scaling.type = {scaling!r}); "
+                         "only unscaled RoPE loads from GGUF")
     if "rope_freqs.weight" in names:  # how llama.cpp stores Llama 3.1's llama3 RoPE scaling
         raise ValueError("this GGUF scales RoPE by per-frequency factors (rope_freqs.weight, Llama 3.1 style), "
                          "which GGUF loading does not support yet; load the HF checkpoint")
+    num_heads = _integer(reader, f"{arch}.attention.head_count")
+    hidden = _integer(reader, f"{arch}.embedding_length")
+    key_length = _integer(reader, f"{arch}.attention.key_length", 0)
+    rope_dims = _integer(reader, f"{arch}.rope.dimension_count", 0)
+    head_dim = key_length or rope_dims or hidden // num_heads
+    if rope_dims and rope_dims != head_dim:  # our RoPE rotates whole heads
+        raise ValueError(f"{arch}.rope.dimension_count = {rope_dims} rotates part of each head, whose head size "
+                         f"({head_dim}) it must equal: partial rotary embeddings are not supported")
+    vocab = _integer(reader, f"{arch}.vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens", []))
     return TargetConfig(
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_integer(reader, f"{arch}.feed_forward_length"),
+        num_layers=_integer(reader, f"{arch}.block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(head_dim or hidden // num_heads),
+        num_kv_heads=_integer(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=head_dim,
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         # GGUF stores eps as float32 (1e-5 reads back as 9.9999997e-06); keep the intended value.
         rms_norm_eps=float(f"{_field(reader, f'{arch}.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
         tie_word_embeddings="output.weight" not in names,
         qk_norm=arch == "qwen3",
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 8192)),
+        max_position_embeddings=_integer(reader, f"{arch}.context_length", 8192),
         architecture=arch,
     )
 
@@ -138,24 +163,59 @@ def unpermute_rope_rows(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
-    """All tensors of a GGUF file, dequantized to float32 and named as in an HF checkpoint.
+def _hf_name(gguf_name: str) -> tuple[str, str | None]:
+    """``(HF name, layer tensor kind)``; a name that is not recognised passes through unchanged."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if match and match.group(2) in _LAYER_TENSORS:
+        return f"model.layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}.weight", match.group(2)
+    return _GLOBAL_TENSORS.get(gguf_name, gguf_name), None
 
-    Names that are not recognised pass through unchanged, so the inventory check reports them.
-    """
+
+@functools.cache
+def _dequantizable(qtype) -> bool:
+    """Whether the installed ``gguf`` can dequantize ``qtype`` (asked with one zero block, since its
+    ``dequantize`` only says so by raising)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_gguf_tensors(reader, cfg: TargetConfig) -> None:
+    """Refuse, from the header alone, tensor types that cannot be dequantized and tensors that do not
+    match ``cfg``: dequantizing a large file takes minutes and four bytes a weight before either shows."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    unreadable: dict[str, list[str]] = {}
+    for t in reader.tensors:
+        if not _dequantizable(t.tensor_type):
+            unreadable.setdefault(t.tensor_type.name, []).append(t.name)
+    if unreadable:
+        supported = [q.name for q in GGMLQuantizationType if q in GGML_QUANT_SIZES and _dequantizable(q)]
+        found = "; ".join(f"{len(names)} tensor{'s' * (len(names) > 1)} of type {kind} ({', '.join(names[:5])}"
+                          f"{', ...' * (len(names) > 5)})" for kind, names in unreadable.items())
+        raise ValueError(f"{found}: the gguf package {importlib.metadata.version('gguf')} cannot dequantize "
+                         f"{'this type' if len(unreadable) == 1 else 'these types'} (supported: {', '.join(supported)})")
+    # GGUF lists dimensions innermost first; HF shapes are [out, in].
+    hf.check_inventory(cfg, {_hf_name(t.name)[0]: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors})
+
+
+def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
+    """All tensors of a GGUF file, dequantized to float32 and named as in an HF checkpoint, after
+    ``check_gguf_tensors``."""
+    from gguf.quants import dequantize
+
+    check_gguf_tensors(reader, cfg)
     tensors = {}
     for t in reader.tensors:
         value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name)
-        if match and match.group(2) in _LAYER_TENSORS:
-            kind = match.group(2)
-            name = f"model.layers.{match.group(1)}.{_LAYER_TENSORS[kind]}.weight"
-            if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
-                value = unpermute_rope_rows(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-        else:
-            name = _GLOBAL_TENSORS.get(t.name, t.name)
+        name, kind = _hf_name(t.name)
+        if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+            value = unpermute_rope_rows(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
         tensors[name] = value
     return tensors
 
@@ -289,10 +349,13 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
         reader = GGUFReader(str(path))
     except ValueError as error:  # the reader's messages ("GGUF magic invalid") do not name the file
         raise ValueError(f"{path} is not a GGUF file the gguf package can read ({error})") from None
-    cfg = config_from_gguf(reader)
-    tokenizer = tokenizer_from_gguf(reader)  # before dequantizing: an unsupported tokenizer fails fast
-    tensors = hf_tensors_from_gguf(reader, cfg)
-    target = TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))  # checks the inventory first
+    try:
+        cfg = config_from_gguf(reader)
+        tokenizer = tokenizer_from_gguf(reader)  # before dequantizing: an unsupported tokenizer fails fast
+        tensors = hf_tensors_from_gguf(reader, cfg)
+    except ValueError as error:  # the messages name the field or tensor; this names the file
+        raise ValueError(f"{path}: {error}") from None
+    target = TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))
     if copy is not None and sum(t.nbytes for t in tensors.values()) <= CONVERTED_COPY_MAX_BYTES:
         _keep_converted_copy(copy, cfg, tensors, tokenizer)
     return target, tokenizer

@@ -41,6 +41,11 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
         raise ValueError(
             f"unsupported HF model_type {model_type!r}; supported: {sorted(_HF_MODEL_TYPES)}"
         )
+    quantization = hf.get("quantization_config")
+    if quantization:  # AWQ/GPTQ/FP8/bitsandbytes weights are packed or scaled under the HF names
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+        raise ValueError(f"quantized checkpoints are not supported (quantization_config with quant_method "
+                         f"{method!r}); load the unquantized checkpoint, or a GGUF file")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ValueError(f"HF config sets {flag}=true, which this Llama-family port does not implement")
@@ -88,7 +93,8 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
         num_layers=integer("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=integer("num_key_value_heads", num_heads),
-        head_dim=integer("head_dim", integer("hidden_size") // num_heads),
+        # transformers' Qwen3Config defaults head_dim to 128; LlamaConfig derives it.
+        head_dim=integer("head_dim", 128 if model_type == "qwen3" else integer("hidden_size") // num_heads),
         rope_theta=float(rope_theta or 10000.0),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
