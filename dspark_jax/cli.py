@@ -403,6 +403,7 @@ def cmd_profile(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """Fit the confidence head's calibration on held-out prompts and store it next to the drafter's weights."""
+    from dspark_jax.checkpoints.drafter import drafter_weights_id
     from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.training import calibrate
@@ -432,6 +433,7 @@ def cmd_calibrate(args) -> int:
         stop_ids=tokenizer.stop_ids, seed=args.seed)
     fitted = calibrate.fit_calibration(logits, accepted, args.method)
     path = calibrate.save_calibration(directory, fitted, sampling, drafter=name, prompts=args.prompts,
+                                      weights_id=drafter_weights_id(resolve_drafter(args.drafter)[1]),
                                       data_seed=args.data_seed, max_new_tokens=args.max_new_tokens,
                                       excluded_configs=[Path(path).name for path in args.exclude_config])
     print(f"{sampling.describe()} ({args.method}): {fitted['rounds']} rounds; temperatures {_fmt_values(fitted['temperatures'])}; "

@@ -174,3 +174,29 @@ def test_heldout_prompts_leave_out_what_a_config_trained_on():
     assert fresh == heldout_prompt_texts(8, seed=1000, exclude_configs=[config])  # reproducible
     with pytest.raises(ValueError, match="only 0 of 64 generated prompts are untrained by .*tiny_test.py"):
         heldout_prompt_texts(16, seed=0, exclude_configs=[config])
+
+
+def test_a_fit_belongs_to_the_weights_it_was_made_on(tmp_path):
+    """A drafter trained or saved again with other weights in the same directory makes its
+    calibration.json stale: read, it is refused by name; the next fit drops it. The same weights
+    saved again keep their id, and the fit stays theirs."""
+    from dspark_jax.checkpoints.drafter import build_drafter, drafter_weights_id, save_drafter
+    from tests.test_drafter_checkpoints import configs
+
+    cfg = configs()["dflash"]
+    save_drafter(build_drafter(cfg, seed=1), tmp_path)
+    fitted = fit_calibration(*_rounds(np.random.default_rng(3), 2000, [1.0, 1.0, 1.0]))
+    greedy, t1 = SamplingConfig(), SamplingConfig(temperature=1.0)
+    for sampling in (greedy, t1):
+        save_calibration(tmp_path, fitted, sampling, weights_id=drafter_weights_id(tmp_path))
+    both = read_calibrations(tmp_path)
+    assert len(both) == 2
+    save_drafter(build_drafter(cfg, seed=1), tmp_path, metadata={"saved": "again"})
+    assert read_calibrations(tmp_path) == both
+    save_drafter(build_drafter(cfg, seed=2), tmp_path)  # retrained
+    with pytest.raises(ValueError, match=r"calibration.json: a greedy fit was made on other weights .* run dspark "
+                                         "calibrate again"):
+        read_calibrations(tmp_path)
+    assert read_calibrations(tmp_path, stale_ok=True) == ()
+    save_calibration(tmp_path, {**fitted, "biases": [0.5] * 3}, t1, weights_id=drafter_weights_id(tmp_path))
+    assert [(c.sampling, c.biases) for c in read_calibrations(tmp_path)] == [(t1, (0.5,) * 3)]

@@ -6,18 +6,20 @@ target's weights. Tensors are named by their NNX state path (``backbone.layers.0
 and may be stored in bfloat16 to halve the file; they load back in the dtype asked for. The
 reduced head's draft->target id map (``draft_head.d2t``) is stored as int32 with the weights.
 
-Both files carry one random save id (``weights_id`` in ``config.json``, the same key in the
-safetensors header): each file is written under a temporary name and renamed over the old one,
-so a save killed between the two renames leaves two whole files from different saves, which
-``load_drafter`` refuses by their ids. Checkpoints written before save ids have neither and load
+Both files carry the weights' id, a digest of the stored tensors (``weights_id`` in
+``config.json``, the same key in the safetensors header): each file is written under a temporary
+name and renamed over the old one, so a save killed between the two renames leaves two whole
+files from different saves, which ``load_drafter`` refuses by their ids. The same weights saved
+again keep their id, so what was fitted on them (``calibration.json``, which records it) stays
+theirs; other weights get another. Checkpoints written before weights ids have neither and load
 as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
 
 import jax
@@ -36,7 +38,7 @@ VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-WEIGHTS_ID = "weights_id"  # the save id, in config.json and in the safetensors header
+WEIGHTS_ID = "weights_id"  # the weights' digest, in config.json and in the safetensors header
 D2T = "draft_head.d2t"
 
 
@@ -91,7 +93,11 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
     if metadata is not None and not isinstance(metadata, dict):  # load_drafter reads a JSON object
         raise TypeError(f"save_drafter: metadata must be a dict, got {type(metadata).__name__}")
     _check_overwritable(out / CONFIG_FILE)
-    weights_id = uuid.uuid4().hex
+    tensors = {
+        name: value.astype(STORAGE_DTYPES[storage_dtype]) if _is_float(value.dtype) else value
+        for name, value in drafter_tensors(drafter).items()
+    }
+    weights_id = weights_digest(tensors)
     config = {
         "format": FORMAT,
         "version": VERSION,
@@ -104,10 +110,6 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
         config_text = json.dumps(config, indent=2) + "\n"
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_drafter: metadata must be JSON-serialisable ({error}); nothing was written") from error
-    tensors = {
-        name: value.astype(STORAGE_DTYPES[storage_dtype]) if _is_float(value.dtype) else value
-        for name, value in drafter_tensors(drafter).items()
-    }
     out.mkdir(parents=True, exist_ok=True)
     partial = {name: out / f"{name}.tmp" for name in (WEIGHTS_FILE, CONFIG_FILE)}
     try:
@@ -118,10 +120,29 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
             path.unlink(missing_ok=True)
         raise
     # Weights first: a kill between the renames leaves new weights beside the old config, which
-    # the save ids tell apart; a symlinked file (a shared copy) is replaced, its target untouched.
+    # the weights ids tell apart; a symlinked file (a shared copy) is replaced, its target untouched.
     os.replace(partial[WEIGHTS_FILE], out / WEIGHTS_FILE)
     os.replace(partial[CONFIG_FILE], out / CONFIG_FILE)
     return out
+
+
+def weights_digest(tensors: dict[str, np.ndarray]) -> str:
+    """The id of a checkpoint's stored tensors: equal for the same names, dtypes, shapes and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        value = np.ascontiguousarray(tensors[name])
+        digest.update(f"{name}:{value.dtype.name}:{value.shape}\n".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()[:32]
+
+
+def drafter_weights_id(directory) -> str | None:
+    """The weights id ``config.json`` records in a drafter ``directory``; None where it records
+    none (a checkpoint from before weights ids) or ``directory`` holds no drafter."""
+    try:
+        return _read_config(directory)[1].get(WEIGHTS_ID)
+    except (OSError, ValueError):
+        return None
 
 
 def _checkpoint_dir(directory) -> Path:
@@ -175,7 +196,7 @@ def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
 
 
 def _read_weights(directory: Path) -> tuple[dict[str, np.ndarray], str | None]:
-    """The tensors of ``directory``'s weights file and its save id (None before save ids)."""
+    """The tensors of ``directory``'s weights file and its weights id (None before weights ids)."""
     weights = directory / WEIGHTS_FILE
     if not weights.exists():
         raise ValueError(f"{directory} has no {WEIGHTS_FILE} beside its {CONFIG_FILE}: the checkpoint is incomplete "
@@ -248,7 +269,7 @@ def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.flo
                          "(a diverged run or a corrupted file); use an earlier checkpoint or train again")
     if weights_id != raw.get(WEIGHTS_ID):
         raise ValueError(
-            f"{directory}: {CONFIG_FILE} and {WEIGHTS_FILE} come from different saves (save ids "
+            f"{directory}: {CONFIG_FILE} and {WEIGHTS_FILE} come from different saves (weights ids "
             f"{raw.get(WEIGHTS_ID)} and {weights_id}): a save into this directory was interrupted, or the files were "
             "copied from two checkpoints; save the drafter again or copy both files from one checkpoint (after "
             f"editing {WEIGHTS_FILE} on purpose, drop '{WEIGHTS_ID}' from {CONFIG_FILE})"

@@ -42,6 +42,7 @@ import numpy as np
 from dspark_jax.config import write_json
 
 CALIBRATION_FILE = "calibration.json"
+WEIGHTS_ID = "weights_id"  # the drafter weights a fit was made on (checkpoints.drafter)
 MODES = ("greedy", "sampled")
 METHODS = ("platt", "sts")
 ECE_BINS = 20  # DeepSpec's reporting bins (spec §3.4)
@@ -205,7 +206,9 @@ def _entries(body: dict, mode: str) -> list:
 def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
     """Write ``fitted`` (fitted on decoding with ``sampling``, a ``SamplingConfig``) into
     ``directory/calibration.json``, replacing an earlier fit for the same sampling and keeping
-    the fits for other samplings."""
+    the fits for other samplings. ``info`` is recorded with the fit; its ``weights_id`` (the
+    drafter's, ``checkpoints.drafter.drafter_weights_id``) also drops the fits made for other
+    weights."""
     import dataclasses
 
     from dspark_jax.config import SamplingConfig
@@ -214,13 +217,20 @@ def save_calibration(directory, fitted: dict, sampling, **info) -> Path:
     body = json.loads(path.read_text()) if path.is_file() else {}
     mode = mode_of(sampling.greedy)
     entry = {**fitted, **info, "sampling": dataclasses.asdict(sampling)}
-    if mode == "greedy":
-        body[mode] = entry
-    else:
-        def fitted_on(e):  # as a setting, not a dict: {"temperature": 1.0} is T = 1 without top-k or top-p too
-            return None if e.get("sampling") is None else SamplingConfig(**e["sampling"])
 
-        body[mode] = [e for e in _entries(body, mode) if fitted_on(e) != sampling] + [entry]
+    def kept(e):  # a fit for other weights of the drafter is stale; one for this sampling is replaced
+        stale = None not in (e.get(WEIGHTS_ID), info.get(WEIGHTS_ID)) and e[WEIGHTS_ID] != info[WEIGHTS_ID]
+        # As a setting, not a dict: {"temperature": 1.0} is T = 1 without top-k or top-p too.
+        same = e.get("sampling") is not None and SamplingConfig(**e["sampling"]) == sampling
+        return not (stale or same)
+
+    greedy = [entry] if mode == "greedy" else [e for e in _entries(body, "greedy") if kept(e)]
+    sampled = [e for e in _entries(body, "sampled") if kept(e)] + ([entry] if mode == "sampled" else [])
+    body = {key: value for key, value in body.items() if key not in MODES}
+    if greedy:
+        body["greedy"] = greedy[0]
+    if sampled:
+        body["sampled"] = sampled
     return write_json(path, body, indent=1)  # whole or not at all: half a file would stop the drafter loading
 
 
@@ -233,19 +243,23 @@ def check_calibration_dir(directory) -> Path:
         raise ValueError(f"{directory} is not a directory")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(f"{directory} is not writable")
-    read_calibrations(directory)
+    read_calibrations(directory, stale_ok=True)  # the new fit replaces the stale ones
     return directory / CALIBRATION_FILE
 
 
-def read_calibrations(directory) -> tuple:
+def read_calibrations(directory, *, stale_ok: bool = False) -> tuple:
     """Every calibration (``scheduler.prefix.Calibration``) of the drafter in ``directory``, each
     with the sampling it was fitted on; ``()`` when it has none. Entries written before biases
     existed read with zero biases; a sampled one without its sampling serves any decoding that
-    has no fit of its own (``scheduler.prefix.calibration_index``)."""
+    has no fit of its own (``scheduler.prefix.calibration_index``). A fit made on other weights
+    than the drafter's in ``directory`` now holds (trained or saved again since; both record
+    their weights id) is refused, or left out with ``stale_ok``."""
+    from dspark_jax.checkpoints.drafter import drafter_weights_id
     from dspark_jax.config import SamplingConfig
     from dspark_jax.scheduler.prefix import Calibration
 
     path = Path(directory) / CALIBRATION_FILE
+    weights_id = drafter_weights_id(directory)
     if not path.is_file():
         return ()
     try:
@@ -255,6 +269,13 @@ def read_calibrations(directory) -> tuple:
         raise ValueError(f"{path} is not a calibration file ({error})") from None
     calibrations = []
     for mode, entry in entries:
+        fitted_on = entry.get(WEIGHTS_ID) if isinstance(entry, dict) else None
+        if None not in (fitted_on, weights_id) and fitted_on != weights_id:
+            if stale_ok:
+                continue
+            raise ValueError(f"{path}: a {mode} fit was made on other weights (id {fitted_on}) than the drafter's in "
+                             f"{directory} (id {weights_id}), which was trained or saved again since: run dspark "
+                             f"calibrate again, or delete {path}")
         temperatures = entry.get("temperatures") if isinstance(entry, dict) else None
         if not isinstance(temperatures, list) or not all(isinstance(t, (int, float)) and t > 0 for t in temperatures):
             raise ValueError(f"{path}: '{mode}.temperatures' must be a list of positive numbers")
