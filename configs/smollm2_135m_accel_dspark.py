@@ -6,7 +6,7 @@ It is trained together with its two baselines (``smollm2_135m_accel_dflash.py``,
 
     dspark train --config configs/smollm2_135m_accel_dspark.py \\
         --config configs/smollm2_135m_accel_dflash.py --config configs/smollm2_135m_accel_eagle3.py \\
-        --budget-s 480
+        --budget-s 420
 
 Data: the target's answers (the shipped drafters' settings: T = 0.7, top-p 0.8, top-k 20, at most
 160 new tokens) to the prompts of 60 fresh data seeds (100-159, cycling the paper, formats and

@@ -527,3 +527,23 @@ def test_one_part_of_a_split_gguf_is_refused_naming_the_split(tmp_path):
                       metadata=lambda w: (w.add_uint16("split.no", 0), w.add_uint16("split.count", 2)))
     with pytest.raises(ValueError, match=r"part 1 of 2 of a split GGUF; .*llama-gguf-split --merge"):
         load_gguf(path, cache=False)
+
+
+def test_saved_weights_are_as_readable_as_the_files_beside_them(tmp_path):
+    """safetensors 0.8 creates its files 0600 whatever the umask (its issue #782): a converted
+    target or a trained drafter would be unreadable by a teammate or a serving user."""
+    import os
+
+    from dspark_jax.checkpoints.drafter import build_drafter, save_drafter
+    from tests.test_drafter_checkpoints import configs
+
+    old = os.umask(0o022)
+    try:
+        hf_dir = save_hf_checkpoint(tiny_target(seed=7).module(), tmp_path / "hf", max_shard_bytes=20_000)
+        drafter_dir = save_drafter(build_drafter(configs()["dflash"]), tmp_path / "drafter")
+    finally:
+        os.umask(old)
+    weights = sorted(hf_dir.glob("*.safetensors")) + [drafter_dir / "model.safetensors"]
+    assert len(weights) > 2
+    assert {oct(path.stat().st_mode & 0o777) for path in weights} == {oct(0o644)}
+    assert oct((hf_dir / "config.json").stat().st_mode & 0o777) == oct(0o644)

@@ -5,6 +5,18 @@ from __future__ import annotations
 import os
 
 
+def save_safetensors(tensors, path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.numpy.save_file``, leaving the file readable as the process's umask allows:
+    safetensors 0.8 writes through a temporary file created 0600 (safetensors issue #782), which
+    would keep a saved model from a teammate, a container user or a serving process."""
+    import safetensors.numpy
+
+    safetensors.numpy.save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def load_target(checkpoint: str | os.PathLike | None):
     """``(target, tokenizer)``: the embedded SmolLM2 target for None, else a GGUF file or an HF
     checkpoint directory (its tokenizer read first, so that a missing one fails fast)."""

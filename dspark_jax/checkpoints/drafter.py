@@ -29,6 +29,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from dspark_jax.checkpoints import save_safetensors
 from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
@@ -113,7 +114,7 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
     out.mkdir(parents=True, exist_ok=True)
     partial = {name: out / f"{name}.tmp" for name in (WEIGHTS_FILE, CONFIG_FILE)}
     try:
-        safetensors.numpy.save_file(tensors, str(partial[WEIGHTS_FILE]), metadata={WEIGHTS_ID: weights_id})
+        save_safetensors(tensors, partial[WEIGHTS_FILE], metadata={WEIGHTS_ID: weights_id})
         partial[CONFIG_FILE].write_text(config_text)
     except BaseException:
         for path in partial.values():

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.checkpoints import save_safetensors
 from dspark_jax.config import RopeScaling, TargetConfig, as_int, read_json
 from dspark_jax.models.target import TargetModel, Transformer
 
@@ -352,14 +353,12 @@ def save_hf_tensors(
     max_shard_bytes: int | None = None,
 ) -> Path:
     """``save_hf_checkpoint`` for tensors that already carry HF names (as a GGUF file's do)."""
-    from safetensors.numpy import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_weights(directory)
     (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
     if max_shard_bytes is None:
-        save_file(dict(tensors), str(directory / SINGLE_FILE), metadata={"format": "pt"})
+        save_safetensors(dict(tensors), directory / SINGLE_FILE, metadata={"format": "pt"})
         return directory
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -372,7 +371,7 @@ def save_hf_tensors(
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        save_safetensors(shard, directory / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))

@@ -51,6 +51,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from dspark_jax import multihost
+from dspark_jax.checkpoints import save_safetensors
 from dspark_jax.config import (
     SamplingConfig,
     as_int,
@@ -372,7 +373,7 @@ class TargetCacheWriter:
         }
         stem = self.dir / f"shard-{shard:05d}"
         tmp_tensors, tmp_meta = stem.with_suffix(".safetensors.tmp"), stem.with_suffix(".json.tmp")
-        safetensors.numpy.save_file(tensors, str(tmp_tensors))
+        save_safetensors(tensors, tmp_tensors)
         tmp_meta.write_text(json.dumps(meta) + "\n")
         # Tensors first, metadata last: the .json marks a shard complete.
         os.replace(tmp_tensors, stem.with_suffix(".safetensors"))
