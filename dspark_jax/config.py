@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import operator
 import os
 from collections.abc import Iterable, Mapping
@@ -81,10 +83,16 @@ def check_tap_layers(tap_layers, num_layers: int) -> tuple[int, ...]:
     """Validate decoder-layer ids whose raw outputs a forward returns (spec §1.2). Strictly
     ascending: the forward concatenates them in layer order, the order drafters are trained on,
     so another order (or a repeat) would not be the taps asked for."""
-    taps = as_ints(tap_layers, "tap_layers")
+    taps = ascending_taps(tap_layers)
     bad = [i for i in taps if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"tap layer ids {bad} are outside the target's decoder layers 0..{num_layers - 1}")
+    return taps
+
+
+def ascending_taps(tap_layers) -> tuple[int, ...]:
+    """Tap layer ids as ints, refused unless strictly ascending (``check_tap_layers``)."""
+    taps = as_ints(tap_layers, "tap_layers")
     if list(taps) != sorted(set(taps)):
         raise ValueError(f"tap layer ids must be strictly ascending, got {list(taps)}")
     return taps
@@ -274,7 +282,22 @@ class DrafterConfig:
     def __post_init__(self):
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", TargetConfig.from_dict(self.backbone))
-        object.__setattr__(self, "tap_layers", as_ints(self.tap_layers, "tap_layers"))
+        object.__setattr__(self, "tap_layers", ascending_taps(self.tap_layers))
+        # Exact types, as from a config.json a person may have edited: a float γ or a "false"
+        # string would pass the range checks below and fail (or silently mean True) later.
+        for name in ("mask_token_id", "block_size", "markov_rank"):
+            object.__setattr__(self, name, as_int(getattr(self, name), name))
+        for name in ("sliding_window", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, as_int(getattr(self, name), name, "an int or None"))
+        for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("ce_weight", "tv_weight", "confidence_weight", "position_decay", "ttt_step_decay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {self.kind!r}")
         if self.markov_head not in MARKOV_HEADS:

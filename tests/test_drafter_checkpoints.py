@@ -307,3 +307,20 @@ def test_save_refuses_to_overwrite_another_programs_checkpoint(tmp_path):
     drafter = build_drafter(configs()["dflash"], seed=5)
     save_drafter(drafter, damaged)
     assert _same_weights(load_drafter(damaged), drafter)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(block_size=3.0), "block_size must be an int, got 3.0"),
+    (dict(mask_token_id=True), "mask_token_id must be an int"),
+    (dict(draft_vocab_size="33"), "draft_vocab_size must be an int or None"),
+    (dict(confidence_head="false"), "confidence_head must be true or false, got 'false'"),
+    (dict(ce_weight=float("nan")), "ce_weight must be a finite number"),
+    (dict(tap_layers=[2, 0]), r"tap layer ids must be strictly ascending, got \[2, 0\]"),
+])
+def test_a_drafter_config_refuses_values_of_the_wrong_kind(change, message):
+    """As a hand-edited config.json gives them: a float γ passed the range checks and failed in the
+    first draft; a string "false" switched the confidence head on."""
+    good = configs()["dspark"].to_dict()
+    with pytest.raises(ValueError, match=message):
+        DrafterConfig.from_dict({**good, **change})
+    assert DrafterConfig.from_dict(good) == configs()["dspark"]
