@@ -113,6 +113,8 @@ def _decode_tok_s(result) -> float:
 def cmd_generate(args) -> int:
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     if not args.prompt:
         raise SystemExit("--prompt is empty")
     if args.policy is not None and args.drafter is None:
@@ -135,11 +137,17 @@ def cmd_generate(args) -> int:
         runner = AutoregressiveGenerator(target)
     max_len = runner.cache_len_for([len(ids)], args.max_new_tokens)
     compile_s = runner.warmup(1, len(ids), max_len)
+    text_of = tokenizer.stream_decoder()
+
+    def show(_, tokens):  # each round's committed tokens, as they come
+        sys.stdout.write(text_of(tokens))
+        sys.stdout.flush()
+
     result = runner.generate(
         [ids], max_new_tokens=args.max_new_tokens, sampling=sampling, seeds=[args.seed],
-        stop_ids=stops, max_len=max_len,
+        stop_ids=stops, max_len=max_len, on_tokens=show,
     )
-    print(tokenizer.decode(result.tokens[0]))
+    print()
     speculative = "" if args.drafter is None else f"; {_spec_stats(result)}; drafter {_describe(name, drafter, runner)}"
     print(
         f"[{len(result.tokens[0])} tokens, finish={result.finish_reasons[0]}; prompt {len(ids)} tokens; "
@@ -547,8 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policy", default="scheduler", help=POLICY_HELP.split("; default")[0] + "; default scheduler")
     demo.set_defaults(func=cmd_demo)
 
-    gen = sub.add_parser("generate", help="generate text from one prompt")
-    gen.add_argument("--prompt", required=True)
+    gen = sub.add_parser("generate", help="generate text from one prompt, printed as it is generated")
+    gen.add_argument("--prompt", required=True, help="the prompt text; - reads it from standard input")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-new-tokens", type=positive_int, default=64)
     add_sampling_arguments(gen, "0 = greedy", seed_help=None)

@@ -12,7 +12,7 @@ import datetime
 import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jinja2
@@ -20,6 +20,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import processors
+from tokenizers.decoders import DecodeStream
 
 from dspark_jax.config import read_json
 
@@ -216,6 +217,18 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, *, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
+        """For streaming output: a function given each next piece of a token list that returns the
+        text the piece completes. A character split over tokens (a byte-level BPE token may hold
+        part of one) comes out with the token that completes it, so the pieces join to ``decode``
+        of the whole list (tokenizers' ``DecodeStream``)."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+        def text_of(ids: Sequence[int]) -> str:
+            return "".join(piece for i in ids if (piece := stream.step(self.backend, int(i))) is not None)
+
+        return text_of
 
     def render_chat(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True

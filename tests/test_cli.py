@@ -44,6 +44,25 @@ def test_generate_stops_at_the_models_end_of_turn_tokens(capsys, monkeypatch, em
     assert out.strip().endswith("is Paris") and "finish=stop" in err
 
 
+def test_generate_streams_its_text_and_reads_a_prompt_from_stdin(monkeypatch, embedded_target, target_only_france):
+    """The text comes out token by token as it is generated, not at the end; ``--prompt -`` reads
+    the prompt from standard input."""
+    writes = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    out = Recorder()
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+    monkeypatch.setattr("sys.stdin", io.StringIO(FRANCE[1]))
+    with contextlib.redirect_stdout(out):
+        assert main(["generate", "--prompt", "-", *FRANCE[2:]]) == 0
+    assert out.getvalue() == target_only_france[0]
+    assert len([text for text in writes if text]) >= 4, writes
+
+
 def test_bad_sampling_arguments_are_clear_errors(capsys):
     assert main(["generate", "--prompt", "Hi", "--temperature", "-1"]) == 2
     assert "temperature must be 0 (greedy) or a finite number >= 1e-05" in capsys.readouterr().err

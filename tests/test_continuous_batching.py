@@ -84,7 +84,8 @@ def test_the_batch_axis_of_every_state_leaf_is_found():
 def test_continuous_batching_generates_what_one_batch_does(tiny, make):
     """13 requests, greedy and sampled, through 4 rows: every request's tokens are those it gets
     when all 13 run as one batch (its own PRNG stream and step counter), in either batching mode;
-    refilling rows at once takes fewer steps than fixed batches."""
+    refilling rows at once takes fewer steps than fixed batches. Streamed (``on_tokens``), each
+    request's pieces join to its tokens, stop token included, nothing past max_new_tokens."""
     target, drafter, prompts, sampling = tiny
     runner = make(target, drafter)
     kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
@@ -92,8 +93,12 @@ def test_continuous_batching_generates_what_one_batch_does(tiny, make):
     assert {"stop", "length"} == set(one_batch.finish_reasons)
     finished = []
     inserts = counting_refills(runner)
-    continuous = runner.generate(prompts, batch_size=4, on_finish=lambda *f: finished.append(f), **kwargs)
+    streamed = [[] for _ in prompts]
+    continuous = runner.generate(prompts, batch_size=4, on_finish=lambda *f: finished.append(f),
+                                 on_tokens=lambda i, tokens: streamed[i].append(tokens), **kwargs)
     assert continuous.tokens == one_batch.tokens and continuous.finish_reasons == one_batch.finish_reasons
+    assert [sum(pieces, []) for pieces in streamed] == continuous.tokens and all(map(all, streamed))
+    assert max(map(len, streamed)) > 1, "every request came out at once: nothing was streamed"
     assert sorted(i for i, _, _ in finished) == list(range(13))  # each request reported once, when done
     assert all(tokens == one_batch.tokens[i] and reason == one_batch.finish_reasons[i] for i, tokens, reason in finished)
     assert inserts and set(inserts) <= {1, 2, 4}, "rows were refilled while others decoded"

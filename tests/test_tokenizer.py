@@ -189,3 +189,25 @@ def test_gguf_end_of_turn_and_user_defined_tokens(tmp_path):
     ids = tokenizer.encode("a<tool>b</s>")
     assert ids == [4, 3, 5, 1]
     assert tokenizer.decode(ids) == "a<tool>b", "the special </s> is dropped, the user-defined <tool> kept"
+
+
+def test_streamed_pieces_join_to_the_whole_decode(embedded_target):
+    """Streaming output (``dspark generate``): a character split over byte-level tokens comes out
+    whole with the token that completes it, and the pieces, fed in any chunks, join to decode()."""
+    import random
+
+    _, tokenizer = embedded_target
+    text = "Grüße, 世界! Emoji 🧪🚀 and math: ∑ x² ≤ 10 — done.\n```python\nprint('hi')\n```"
+    ids = tokenizer.encode(text)
+    multibyte = [i for i in ids if "\ufffd" in tokenizer.decode([i])]
+    assert multibyte, "no token here splits a character: the test lost its point"
+    eos = tokenizer.eos_token_id
+    for seed in range(3):
+        rng, stream, pieces, start = random.Random(seed), tokenizer.stream_decoder(), [], 0
+        while start < len(ids):
+            size = rng.randint(1, 4)
+            pieces.append(stream(ids[start:start + size]))
+            start += size
+        assert all("\ufffd" not in piece for piece in pieces)
+        assert "".join(pieces) == tokenizer.decode(ids) == text
+        assert stream([eos]) == ""  # special tokens skipped, as decode() does

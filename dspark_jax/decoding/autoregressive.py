@@ -28,6 +28,7 @@ CACHE_LEN_MULTIPLE = 128
 
 # ``on_finish(request index, its tokens, finish reason)``: called as each request finishes.
 FinishCallback = Callable[[int, list[int], str], None]
+TokensCallback = Callable[[int, list[int]], None]  # (request index, its newly committed tokens)
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -287,6 +288,7 @@ class AutoregressiveGenerator:
         batch_size: int | None = None,
         continuous: bool = True,
         on_finish: FinishCallback | None = None,
+        on_tokens: TokensCallback | None = None,
     ) -> GenerationResult:
         """Generate for token-id prompts.
 
@@ -300,7 +302,8 @@ class AutoregressiveGenerator:
         prompts than that, a finished request's row is prefilled with the next waiting prompt
         (continuous batching; ``continuous=False``: only once the whole batch has finished, i.e.
         fixed batches of ``batch_size`` in order). ``on_finish(index, tokens, reason)`` is called
-        as each request finishes. ``on_step`` gets each step's token per row.
+        as each request finishes, ``on_tokens(index, tokens)`` with each request's tokens as they
+        are committed (streaming). ``on_step`` gets each step's token per row.
         """
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
@@ -314,7 +317,7 @@ class AutoregressiveGenerator:
         # must not skip that.
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
         max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
-        completions = Completions(slots, count, requests.max_new_tokens, on_finish)
+        completions = Completions(slots, count, requests.max_new_tokens, on_finish, on_tokens)
         out = completions.tokens
         # Taps per request: the prompt's from prefill, then each generated token's from the step
         # that feeds it. A finished request's last token is fed by the step after it finishes (its

@@ -79,11 +79,13 @@ class Slots:
 
 class Completions:
     """Each request's tokens so far and finish reason. ``emit`` adds a row's new tokens to its
-    request and, once that request is done (a stop token, or ``max_new_tokens``), frees the row
-    and reports it to ``on_finish(index, tokens, reason)``."""
+    request (reported to ``on_tokens(index, new_tokens)``) and, once that request is done (a stop
+    token, or ``max_new_tokens``), frees the row and reports it to ``on_finish(index, tokens,
+    reason)``."""
 
-    def __init__(self, slots: Slots, count: int, max_new_tokens: int, on_finish: Callable | None):
-        self.slots, self.max_new_tokens, self.on_finish = slots, max_new_tokens, on_finish
+    def __init__(self, slots: Slots, count: int, max_new_tokens: int, on_finish: Callable | None,
+                 on_tokens: Callable | None = None):
+        self.slots, self.max_new_tokens, self.on_finish, self.on_tokens = slots, max_new_tokens, on_finish, on_tokens
         self.tokens: list[list[int]] = [[] for _ in range(count)]
         self.reasons = ["length"] * count
 
@@ -92,7 +94,10 @@ class Completions:
         request = int(self.slots.request_of[row])
         out = self.tokens[request]
         room = self.max_new_tokens - len(out)
-        out.extend(int(t) for t in tokens[:room])
+        added = [int(t) for t in tokens[:room]]
+        out.extend(added)
+        if added and self.on_tokens is not None:
+            self.on_tokens(request, added)
         if stopped and len(tokens) <= room:
             self.reasons[request] = "stop"
         elif len(out) < self.max_new_tokens:

@@ -40,6 +40,7 @@ from dspark_jax.config import SamplingConfig, as_int, as_ints
 from dspark_jax.decoding.autoregressive import (
     AutoregressiveGenerator,
     FinishCallback,
+    TokensCallback,
     bucket,
     cache_len,
     prepare_requests,
@@ -463,9 +464,11 @@ class SpeculativeDecoder:
         batch_size: int | None = None,
         continuous: bool = True,
         on_finish: FinishCallback | None = None,
+        on_tokens: TokensCallback | None = None,
     ) -> SpeculativeResult:
         """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``,
-        continuous batching included. A refill prefills the joining requests between rounds."""
+        continuous batching included. A refill prefills the joining requests between rounds;
+        ``on_tokens`` gets each round's accepted drafts and target token at once."""
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
@@ -479,7 +482,7 @@ class SpeculativeDecoder:
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
         max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
         stops = stop_id_array(requests.stop_ids)
-        completions = Completions(slots, count, requests.max_new_tokens, on_finish)
+        completions = Completions(slots, count, requests.max_new_tokens, on_finish, on_tokens)
 
         accepted_log, committed_log, lengths_log, confidence_log, widths = [], [], [], [], []
         prefill_s = decode_s = draft_s = verify_s = 0.0
