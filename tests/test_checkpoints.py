@@ -20,7 +20,7 @@ from dspark_jax.checkpoints.hf import (
 )
 from dspark_jax.config import TargetConfig
 from dspark_jax.models.target import TargetModel
-from tests.tiny import llama_cpp_permute, tiny_config, tiny_target
+from tests.tiny import gguf_tensors, llama_cpp_permute, tiny_config, tiny_target, write_gguf
 
 QWEN3 = dict(qk_norm=True, head_dim=24, tie_word_embeddings=False, architecture="qwen3")
 
@@ -279,60 +279,6 @@ def test_embedded_target_config(embedded_target):
 
 # --------------------------------------------------------------------------------------------
 # GGUF files as llama.cpp writes them: tensor types, architectures, checks before dequantizing
-
-_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
-
-
-def gguf_tensors(target) -> dict[str, np.ndarray]:
-    """A target's weights under GGUF names, q/k rows permuted for llama as llama.cpp's converter does."""
-    from dspark_jax.checkpoints.gguf import _LAYER_TENSORS
-
-    kinds = {hf_name: kind for kind, hf_name in _LAYER_TENSORS.items()}
-    cfg, out = target.cfg, {}
-    for name, value in hf_tensors_from_module(target.module()).items():
-        if name in _GGUF_GLOBALS:
-            out[_GGUF_GLOBALS[name]] = value
-            continue
-        layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
-        kind = kinds[hf_name.removesuffix(".weight")]
-        if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
-            value = llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-        out[f"blk.{layer}.{kind}.weight"] = value
-    return out
-
-
-def write_gguf(path, cfg, tensors, *, arch=None, qtype=None, metadata=None):
-    """A GGUF file for ``cfg`` holding ``tensors`` (GGUF names; matrices quantized to ``qtype``),
-    with a minimal byte-level BPE vocabulary; ``metadata(writer)`` adds or overrides keys."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch or cfg.architecture)
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
-    if metadata:
-        metadata(writer)
-    for name, value in tensors.items():
-        if qtype is not None and value.ndim == 2:
-            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
 
 GGUF_SIZES = dict(hidden_size=64, intermediate_size=128)  # rows of whole 32-value Q8_0/Q4_0 blocks
 

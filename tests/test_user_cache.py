@@ -18,15 +18,13 @@ from tokenizers import pre_tokenizers
 from dspark_jax import cli
 from dspark_jax.checkpoints import gguf as gguf_loading
 from dspark_jax.checkpoints.gguf import converted_copy_dir, load_gguf
-from dspark_jax.checkpoints.hf import hf_tensors_from_module
-from tests.tiny import llama_cpp_permute, tiny_target
+from tests.tiny import gguf_tensors, tiny_target, write_gguf
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "he ll", "o Ġ", "Ġ w"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXTS = ["hello world", "<|im_start|>user\nhello<|im_end|>", "digits 12345 and ünïcode"]
-_GGUF_NAMES = {hf_name: kind for kind, hf_name in gguf_loading._LAYER_TENSORS.items()}
 
 
 def _vocabulary() -> list[str]:
@@ -39,43 +37,18 @@ def write_tiny_gguf(path: Path, seed: int = 0):
     template; returns the target the file holds."""
     tokens = _vocabulary()
     target = tiny_target(seed=seed, vocab_size=len(tokens))
-    cfg = target.cfg
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_heads)
-    writer.add_head_count_kv(cfg.num_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(MERGES)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_bos_token_id(tokens.index("<|im_start|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(True)
-    writer.add_chat_template(TEMPLATE)
-    for name, value in hf_tensors_from_module(target.module()).items():
-        if name == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif name == "model.norm.weight":
-            name = "output_norm.weight"
-        else:
-            layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
-            kind = _GGUF_NAMES[hf_name.removesuffix(".weight")]
-            if kind in ("attn_q", "attn_k"):
-                value = llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-            name = f"blk.{layer}.{kind}.weight"
-        writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def tokenizer_keys(writer):
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_merges(MERGES)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
+        writer.add_bos_token_id(tokens.index("<|im_start|>"))
+        writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+        writer.add_add_bos_token(True)
+        writer.add_chat_template(TEMPLATE)
+
+    write_gguf(path, target.cfg, gguf_tensors(target), tokens=tokens, metadata=tokenizer_keys)
     return target
 
 

@@ -44,3 +44,58 @@ def llama_cpp_permute(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
     out = weight_OxI.shape[0]
     return weight_OxI.reshape(num_heads, 2, out // num_heads // 2, *weight_OxI.shape[1:]).swapaxes(1, 2).reshape(
         weight_OxI.shape)
+
+
+_GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def gguf_tensors(target) -> dict[str, np.ndarray]:
+    """A target's weights under GGUF names, q/k rows permuted for llama as llama.cpp's converter does."""
+    from dspark_jax.checkpoints.gguf import _LAYER_TENSORS
+    from dspark_jax.checkpoints.hf import hf_tensors_from_module
+
+    kinds = {hf_name: kind for kind, hf_name in _LAYER_TENSORS.items()}
+    cfg, out = target.cfg, {}
+    for name, value in hf_tensors_from_module(target.module()).items():
+        if name in _GGUF_GLOBALS:
+            out[_GGUF_GLOBALS[name]] = value
+            continue
+        layer, hf_name = name.removeprefix("model.layers.").split(".", 1)
+        kind = kinds[hf_name.removesuffix(".weight")]
+        if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+            value = llama_cpp_permute(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        out[f"blk.{layer}.{kind}.weight"] = value
+    return out
+
+
+def write_gguf(path, cfg, tensors, *, arch=None, qtype=None, tokens=None, metadata=None):
+    """A GGUF file for ``cfg`` holding ``tensors`` (GGUF names; matrices quantized to ``qtype``),
+    with ``tokens`` as its vocabulary (default: placeholder names); ``metadata(writer)`` adds keys."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch or cfg.architecture)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens or [f"t{i}" for i in range(cfg.vocab_size)])
+    if metadata:
+        metadata(writer)
+    for name, value in tensors.items():
+        if qtype is not None and value.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
