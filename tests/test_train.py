@@ -495,7 +495,8 @@ def test_a_run_refuses_a_bad_drafter_or_out_dir_before_building_the_cache(tmp_pa
     tiny = dataclasses.replace(load_config(TINY), out_dir=str(tmp_path / "run"))
     (tmp_path / "a_file").write_text("")
     for change, message in ((dict(drafter={**tiny.drafter, "blok_size": 4}), "unknown keys ['blok_size']"),
-                            (dict(drafter={**tiny.drafter, "block_size": 0}), "block_size (γ) must be >= 1, got 0"),
+                            (dict(drafter={**tiny.drafter, "block_size": 0}), "TrainConfig.drafter: block_size (γ) must be >= 1"),
+                            (dict(drafter={**tiny.drafter, "block_size": 4.0}), "TrainConfig.drafter: block_size must be an int"),
                             (dict(drafter={**tiny.drafter, "kind": "dspak"}), "got 'dspak'"),
                             (dict(drafter={**tiny.drafter, "draft_vocab_size": 10**6}), "draft_vocab_size must be in"),
                             (dict(cache=dataclasses.replace(tiny.cache, tap_layers=())), "at least one tapped"),

@@ -350,7 +350,7 @@ def drafter_config(config: TrainConfig, target: TargetConfig) -> DrafterConfig:
         fields = {"num_layers": 1, **fields}
     try:
         return builder(target, tap_layers=config.cache.tap_layers, **fields)
-    except TypeError as error:  # a missing mask_token_id, a value of the wrong type: one line, not a traceback
+    except (TypeError, ValueError) as error:  # a missing mask_token_id, a bad value: one line, saying where
         raise ValueError(f"TrainConfig.drafter: {error}") from error
 
 
