@@ -127,3 +127,58 @@ def test_a_prompt_file_refuses_a_count_below_one_and_says_when_it_is_a_directory
             read_prompts_jsonl(path, limit)
     with pytest.raises(IsADirectoryError, match=f"prompt file {tmp_path} is a directory"):
         read_prompts_jsonl(tmp_path)
+
+
+def test_nothing_compiles_while_timing_and_both_sides_get_the_same_cache(embedded_target):
+    """Warm-up must cover every prompt-length bucket of the host loop, not only of the jitted steps:
+    target-only's prefill converts each bucket's prompt array on the device, an eager compile that
+    used to land in its timed prefill for every bucket but the warm run's, and that the old check
+    (jit cache sizes) did not see."""
+    from dspark_jax.decoding.speculative import FixedPolicy
+    from dspark_jax.diagnostics import count_compilations
+    from dspark_jax.eval.compare import Comparison, make_decoder
+    from tests.prompts import random_drafter
+
+    target, _ = embedded_target
+    prompts = [[5] * 9, [7] * 40, [11] * 122]  # three buckets (16, 64, 128)
+    comparison = Comparison(target, {"a": make_decoder(target, random_drafter(target.cfg, 3), FixedPolicy(3))},
+                            max_new_tokens=3)
+    comparison.prepare([len(p) for p in prompts])
+    # 122 + 3 tokens fit 128 slots, + the verify slack (4) does not: both still get the same cache,
+    # since a step's cost grows with it.
+    assert comparison.max_len_ar == comparison.max_len_spec == 256
+    with count_compilations() as counter:
+        comparison.run(prompts)
+    assert counter.count == 0 and comparison.compiles_while_timing == 0
+    # A bucket that was not warmed up compiles while timing, and the comparison says so.
+    unprepared = Comparison(target, comparison.decoders, max_new_tokens=3)
+    unprepared.prepare([len(prompts[0])])
+    unprepared.run([prompts[1]])
+    assert unprepared.compiles_while_timing > 0
+
+
+def test_runs_without_rounds_give_nan_not_errors_or_warnings():
+    """--max-new-tokens 1, or every prompt stopping at its first token: no decode time, no rounds.
+    Every ratio is NaN (null in the JSON), including the bootstrap interval, quietly."""
+    import warnings
+
+    from dspark_jax.decoding.autoregressive import GenerationResult
+
+    def no_rounds() -> SpeculativeResult:
+        return SpeculativeResult(tokens=[[4]], finish_reasons=["stop"], prefill_s=0.01, decode_s=0.0, rounds=0,
+                                 accepted_per_round=[], committed_per_round=[], verify_lengths=[], verify_widths=[])
+
+    domain = [Run(prompt_tokens=10, baseline=GenerationResult([[4]], ["stop"], 0.01, 0.0, 0, None),
+                  speculative={"a": no_rounds(), "b": no_rounds()})] * 2  # two identical prompts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = summarize(domain, "a", 7, greedy=True)
+        interval = tau_ratio_interval({"math": domain}, "a", "b")
+    assert np.isnan(summary["speedup"]) and np.isnan(summary["tau"]) and np.isnan(summary["acceptance_rate"])
+    assert summary["speedup_with_prefill"] == 1.0 and summary["identical"] is True and summary["rounds"] == 0
+    assert np.isnan(summary["per_position_acceptance"]).all() and np.isnan(interval).all()
+    assert [p["tau"] for p in summary["per_prompt"]] == [None, None]
+    # Next to a prompt with rounds, one that stopped at its first token adds no round and no decode time.
+    rounds = Run(prompt_tokens=10, baseline=result([0, 0, 0]), speculative={"a": result([2, 0])})  # 2 and 3 decoded in 1 s
+    mixed = summarize(domain[:1] + [rounds], "a", 7, greedy=False)
+    assert mixed["tau"] == 2.0 and mixed["rounds"] == 2 and mixed["speedup"] == pytest.approx(3 / 2)
