@@ -137,6 +137,7 @@ def main(argv=None) -> int:
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+    from dspark_jax.diagnostics import count_compilations
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.eval.compare import json_clean, make_decoder
@@ -151,12 +152,13 @@ def main(argv=None) -> int:
     stops = tokenizer.stop_ids
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     limit = target.cfg.max_position_embeddings
-    max_len_ar = cache_len([len(p) for p in prompts], args.max_new_tokens, limit)
 
     # Every decoder reserves room for its widest verify forward: γ + 1 for fixed:K and the
-    # default buckets alike (checked below), so one cache length serves them all.
+    # default buckets alike (checked below), so one cache length serves them all, target-only
+    # too: a decode step attends over the whole cache, so a shorter one would make its steps
+    # cheaper than the speculative rounds' (compare.Comparison.prepare).
     slack = read_drafter_config(resolve_drafter(args.drafter)[1])[0].block_size + 1
-    max_len_spec = cache_len([len(p) for p in prompts], args.max_new_tokens, limit, slack)
+    max_len = cache_len([len(p) for p in prompts], args.max_new_tokens, limit, slack)
     decoders, costs = {}, None
     for text, policy in policies:
         _, drafter, chosen, note = load_drafter_arg(args.drafter, target, policy)
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and costs is not None:
             chosen = dataclasses.replace(chosen, costs=costs)
         decoders[text] = make_decoder(target, drafter, chosen, profile_batches=args.batches,
-                                      profile_max_len=max_len_spec)
+                                      profile_max_len=max_len)
         if isinstance(decoders[text].policy, SchedulerPolicy):
             costs = costs or decoders[text].policy.costs
         if decoders[text].slack != slack:
@@ -177,14 +179,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for b in args.batches:
         groups = [prompts[i * b:(i + 1) * b] for i in range(args.batches_per_size)]
-        for size in sorted({bucket(max(len(p) for p in g)) for g in groups}):
-            baseline.warmup(b, size, max_len_ar)
-            for decoder in decoders.values():
-                decoder.warmup(b, size, max_len_spec)
+        # One prompt length per bucket (a group's longest): what warmup() compiles for it, then an
+        # untimed run, since generate() compiles per prompt shape what warmup() does not.
+        for length in sorted({bucket(n): n for n in (max(len(p) for p in g) for g in groups)}.values()):
+            for generator in (baseline, *decoders.values()):
+                generator.warmup(b, length, max_len)
+                generator.generate([[1] * length] * b, max_new_tokens=min(args.max_new_tokens, 4), stop_ids=stops,
+                                   max_len=max_len)
     compile_s = time.perf_counter() - t0
     print(f"compiled and warmed up in {compile_s:.0f} s", file=sys.stderr)
 
-    def best(generator, batch, max_len):
+    def best(generator, batch):
         runs = [generator.generate(batch, max_new_tokens=args.max_new_tokens, stop_ids=stops, max_len=max_len)
                 for _ in range(args.repeats)]
         return min(runs, key=lambda r: r.decode_s)
@@ -194,24 +199,27 @@ def main(argv=None) -> int:
 
     totals = {name: {b: {"tokens": 0, "decode_s": 0.0, "committed": [], "lengths": [], "widths": [],
                          "plain_rounds": 0, "identical": True} for b in args.batches} for name in ["target_only", *decoders]}
-    for b in args.batches:
-        for i in range(args.batches_per_size):
-            batch = prompts[i * b:(i + 1) * b]
-            base = best(baseline, batch, max_len_ar)
-            totals["target_only"][b]["tokens"] += produced(base)
-            totals["target_only"][b]["decode_s"] += base.decode_s
-            for name, decoder in decoders.items():
-                spec = best(decoder, batch, max_len_spec)
-                entry = totals[name][b]
-                entry["tokens"] += produced(spec)
-                entry["decode_s"] += spec.decode_s
-                entry["committed"] += spec.committed_per_round
-                entry["lengths"] += spec.verify_lengths
-                entry["widths"] += spec.verify_widths
-                entry["plain_rounds"] += spec.plain_rounds
-                entry["identical"] &= spec.tokens == base.tokens
-            print(f"B={b} batch {i + 1}/{args.batches_per_size} done", file=sys.stderr)
+    with count_compilations() as compiled:  # every XLA compilation while timing: none expected
+        for b in args.batches:
+            for i in range(args.batches_per_size):
+                batch = prompts[i * b:(i + 1) * b]
+                base = best(baseline, batch)
+                totals["target_only"][b]["tokens"] += produced(base)
+                totals["target_only"][b]["decode_s"] += base.decode_s
+                for name, decoder in decoders.items():
+                    spec = best(decoder, batch)
+                    entry = totals[name][b]
+                    entry["tokens"] += produced(spec)
+                    entry["decode_s"] += spec.decode_s
+                    entry["committed"] += spec.committed_per_round
+                    entry["lengths"] += spec.verify_lengths
+                    entry["widths"] += spec.verify_widths
+                    entry["plain_rounds"] += spec.plain_rounds
+                    entry["identical"] &= spec.tokens == base.tokens
+                print(f"B={b} batch {i + 1}/{args.batches_per_size} done", file=sys.stderr)
 
+    if compiled.count:
+        print(f"warning: {compiled.count} compilations while timing: the times include them", file=sys.stderr)
     results = results_table(totals)
     summary = {
         "speedup": {n: {b: round(r["speedup"], 3) for b, r in per.items()} for n, per in results.items() if n != "target_only"},
@@ -226,10 +234,11 @@ def main(argv=None) -> int:
         "load_avg_start": load_start,
         "settings": {"drafter": args.drafter, "batches": args.batches, "batches_per_size": args.batches_per_size,
                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "greedy": True,
-                     "prompts": "math/code/chat first turns interleaved", "cache_len": [max_len_ar, max_len_spec]},
+                     "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "policies": {n: policy_text(d.policy) for n, d in decoders.items()},
         "scheduler_tables": {n: policy_summary(d.policy) for n, d in decoders.items() if hasattr(d.policy, "costs")},
         "compile_s": compile_s,
+        "compiles_while_timing": compiled.count,
         "results": results,
         "method": {"speedup": "decode tokens/s of the policy / target-only's at the same B (tokens and decode "
                    "seconds pooled over the batches; best of repeats per batch)",
