@@ -37,6 +37,12 @@ class _GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
+class ChatTemplateError(ValueError, jinja2.TemplateError):
+    """A chat template refused the conversation (``raise_exception``) or does not parse: a
+    ``ValueError`` as every bad input here, and the ``jinja2.TemplateError`` transformers'
+    ``apply_chat_template`` raises, so code written for either catches it."""
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     def raise_exception(message):
@@ -252,7 +258,7 @@ class Tokenizer:
                 **self.special_tokens_map,
             )
         except jinja2.TemplateError as error:  # the template refused the conversation, or does not parse
-            raise ValueError(f"the chat template: {error}") from None
+            raise ChatTemplateError(f"the chat template: {error}") from None
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True

@@ -105,7 +105,7 @@ def test_a_damaged_checkpoint_is_an_error_naming_the_file(tmp_path, file, damage
 
 
 def _edit_tensors(path, edit):
-    """Rewrite ``path``'s tensors through ``edit``, keeping the file's metadata (its save id)."""
+    """Rewrite ``path``'s tensors through ``edit``, keeping the file's metadata (its weights id)."""
     with safetensors.safe_open(str(path), "np") as f:
         metadata = f.metadata()
     tensors = safetensors.numpy.load_file(str(path))
@@ -238,7 +238,7 @@ def test_weights_from_another_save_are_refused(tmp_path):
     with pytest.raises(ValueError, match=f"{re.escape(str(a))}: config.json and model.safetensors come from "
                                          "different saves"):
         load_drafter(a)
-    # Files from before save ids (the shipped drafters) carry none and still load.
+    # Files from before weights ids (the shipped drafters) carry none and still load.
     legacy = tmp_path / "legacy"
     save_drafter(build_drafter(cfg, seed=1), legacy)
     config = json.loads((legacy / "config.json").read_text())
@@ -280,7 +280,7 @@ def test_storage_dtype_applies_to_a_drafter_held_in_bfloat16(tmp_path):
 
 
 def test_the_shipped_drafters_load():
-    """They predate save ids (neither file has one) and must keep loading."""
+    """They predate weights ids (neither file has one) and must keep loading."""
     import dataclasses
 
     from dspark_jax.drafters import SHIPPED, shipped_drafter_path
