@@ -80,6 +80,8 @@ def test_only_greedy_runs_report_differing_prompts():
     assert [d["prompt"] for d in greedy["differing_prompts"]] == ["p0"]
     sampled = summarize(domain, "a", 7, greedy=False)
     assert sampled["identical"] is None and sampled["differing_prompts"] is None
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):  # zip dropped the second prompt's check
+        summarize(domain, "a", 7, greedy=True, labels=["p0"])
 
 
 def test_speedup_is_a_throughput_ratio_when_outputs_differ_in_length():

@@ -256,6 +256,8 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def summarize(runs: Sequence[Run], name: str, gamma: int, *, greedy: bool, labels: Sequence | None = None) -> dict:
     """Aggregate numbers for decoder ``name`` over ``runs`` (one domain)."""
     labels = list(labels) if labels is not None else list(range(len(runs)))
+    if len(labels) != len(runs):  # zip would pair them off silently and drop the rest
+        raise ValueError(f"summarize: {len(labels)} labels for {len(runs)} runs")
     base = [r.baseline for r in runs]
     spec = [r.speculative[name] for r in runs]
     base_decode = sum(r.decode_s for r in base)
