@@ -249,8 +249,9 @@ class Tokenizer:
                 raise ValueError(f"chat messages are mappings with a 'role' key, got {m!r}")
         try:
             return _compile_template(self.chat_template).render(
-                # Keys set to None are left out, as transformers does: a template testing
-                # ``message.content is defined`` sees a tool-call turn without content as such.
+                # Keys set to None are left out (JSON's null, an absent field): a template testing
+                # ``message.content is defined`` sees a tool-call turn without content as such,
+                # where the None would render as the text "None".
                 messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
                 tools=None,
                 documents=None,

@@ -195,19 +195,28 @@ def test_hf_config_translation():
 
 
 def test_a_gguf_with_llama31_rope_factors_is_refused_by_name(tmp_path):
+    def llama31(writer):
+        writer.add_head_count(4)
+        writer.add_embedding_length(64)
+        writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+
+    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
+        config_from_gguf(metadata_gguf(tmp_path / "llama31.gguf", llama31))
+
+
+def metadata_gguf(path, fill):
+    """A reader of a llama GGUF holding what ``fill(writer)`` writes and a two-token vocabulary:
+    for the checks that read the metadata alone."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "llama31.gguf"), "llama")
-    writer.add_head_count(4)
-    writer.add_embedding_length(64)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    fill(writer)
     writer.add_token_list(["a", "b"])
-    writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
-        config_from_gguf(gguf.GGUFReader(str(tmp_path / "llama31.gguf")))
+    return gguf.GGUFReader(str(path))
 
 
 def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
@@ -436,31 +445,21 @@ def test_gguf_rope_scaling_is_refused_naming_the_field(tmp_path):
 
 def test_a_gguf_missing_a_required_key_is_refused_naming_it(tmp_path):
     """Not ``int(None)``'s TypeError: the missing key (or a per-layer list where one number belongs) is named."""
-    import gguf
-
     from dspark_jax.checkpoints.gguf import config_from_gguf
 
-    writer = gguf.GGUFWriter(str(tmp_path / "partial.gguf"), "llama")
-    writer.add_head_count(4)
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_token_list(["a", "b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+    def sizes(block_count, head_count):
+        def fill(writer):
+            if block_count is not None:
+                writer.add_block_count(block_count)
+            writer.add_head_count(head_count)
+            writer.add_embedding_length(64)
+            writer.add_feed_forward_length(128)
+        return fill
+
     with pytest.raises(ValueError, match="GGUF metadata has no 'llama.block_count'"):
-        config_from_gguf(gguf.GGUFReader(str(tmp_path / "partial.gguf")))
-    writer = gguf.GGUFWriter(str(tmp_path / "per-layer.gguf"), "llama")
-    writer.add_block_count(2)
-    writer.add_head_count([4, 8])
-    writer.add_embedding_length(64)
-    writer.add_feed_forward_length(128)
-    writer.add_token_list(["a", "b"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
+        config_from_gguf(metadata_gguf(tmp_path / "partial.gguf", sizes(None, 4)))
     with pytest.raises(ValueError, match=r"GGUF metadata 'llama.attention.head_count' is \[4, 8\], not one integer"):
-        config_from_gguf(gguf.GGUFReader(str(tmp_path / "per-layer.gguf")))
+        config_from_gguf(metadata_gguf(tmp_path / "per-layer.gguf", sizes(2, [4, 8])))
 
 
 def test_one_part_of_a_split_gguf_is_refused_naming_the_split(tmp_path):
