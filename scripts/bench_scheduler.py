@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     from dspark_jax.checkpoints.drafter import read_drafter_config
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len, prompt_width
     from dspark_jax.diagnostics import count_compilations
     from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
         groups = [prompts[i * b:(i + 1) * b] for i in range(args.batches_per_size)]
         # One prompt length per bucket (a group's longest): what warmup() compiles for it, then an
         # untimed run, since generate() compiles per prompt shape what warmup() does not.
-        for length in sorted({bucket(n): n for n in (max(len(p) for p in g) for g in groups)}.values()):
+        for length in sorted({prompt_width(n, max_len): n for n in (max(len(p) for p in g) for g in groups)}.values()):
             for generator in (baseline, *decoders.values()):
                 generator.warmup(b, length, max_len)
                 generator.generate([[1] * length] * b, max_new_tokens=min(args.max_new_tokens, 4), stop_ids=stops,

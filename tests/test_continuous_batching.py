@@ -121,6 +121,31 @@ def test_continuous_greedy_speculative_decoding_is_the_targets_greedy_decoding(t
     assert result.tokens == reference.tokens and inserts
 
 
+@pytest.mark.parametrize("make", [
+    lambda target, drafter: AutoregressiveGenerator(target),
+    lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
+], ids=["target-only", "speculative"])
+def test_a_prompt_padded_past_its_cache_is_prefilled_within_it(tiny, make):
+    """A 260-token prompt pads to a 512-column prefill bucket, but 6 new tokens give it a cache of
+    384 slots: the prefill is cut to the cache (it was refused, "512 tokens do not fit a KV cache of
+    384 positions"), in the first batch, in a refill and in warm-up, and the tokens are those of a
+    cache wide enough for the whole bucket."""
+    target, drafter, prompts, _ = tiny
+    long = (np.arange(260) % 11 + 1).tolist()
+    # prompts[9] stops at its first token: its row takes long[:-3] while the first long one decodes.
+    requests = [long, prompts[9], long[:-3], prompts[0]]
+    runner = make(target, drafter)
+    kwargs = dict(max_new_tokens=6, stop_ids=[STOP])
+    max_len = runner.cache_len_for([len(r) for r in requests], 6)
+    assert max_len == 384
+    runner.warmup(2, len(long), max_len)
+    inserts = counting_refills(runner)
+    result = runner.generate(requests, batch_size=2, **kwargs)
+    assert inserts, "no request joined a batch in flight"
+    wide = [runner.generate([r], max_len=512, **kwargs).tokens[0] for r in requests]
+    assert result.tokens == wide
+
+
 def test_bad_batch_sizes_are_refused(tiny):
     target, drafter, prompts, _ = tiny
     with pytest.raises(ValueError, match="at least one row"):

@@ -39,6 +39,13 @@ def bucket(n: int, minimum: int = 16) -> int:
     return size
 
 
+def prompt_width(longest: int, max_len: int) -> int:
+    """Columns of a prefill: the longest prompt's bucket, but no wider than the cache it is written
+    into, which is sized to prompt + new tokens and can be narrower than the bucket (a 260-token
+    prompt pads to 512 columns; with 8 new tokens its cache holds 384)."""
+    return min(bucket(longest), max_len)
+
+
 @dataclasses.dataclass
 class GenerationResult:
     tokens: list[list[int]]  # generated ids per request, a stop token included when one ended it
@@ -104,15 +111,15 @@ class Requests:
     def batch(self) -> int:
         return len(self.prompts)
 
-    def pick(self, indices: Sequence[int]) -> tuple[np.ndarray, list[int], SamplingParams, jax.Array]:
+    def pick(self, indices: Sequence[int], max_len: int) -> tuple[np.ndarray, list[int], SamplingParams, jax.Array]:
         """Requests ``indices`` (repeats allowed) as a batch of their own: right-padded prompts
-        (bucketed to their longest), lengths, sampling parameters and PRNG keys."""
+        (``prompt_width`` columns for a ``max_len`` cache), lengths, sampling parameters and PRNG keys."""
         lens = [self.lens[i] for i in indices]
         index = np.asarray(indices)
         # Gathered on the host: indexing the device arrays would compile a gather per batch shape,
         # after any warm-up.
         picked = jax.tree.map(lambda x: jax.device_put(np.asarray(x)[index]), (self.params, self.keys_B))
-        return self.padded_BxP[index, : bucket(max(lens))], lens, *picked
+        return self.padded_BxP[index, : prompt_width(max(lens), max_len)], lens, *picked
 
     def check_fits(self, max_len, slack: int) -> int:
         """``max_len``, a cache length given by hand, as an int that holds prompt + new tokens + slack."""
@@ -257,7 +264,7 @@ class AutoregressiveGenerator:
         cache = self.new_cache(batch, max_len)
         params, keys, lens, tokens = self.on_rows((
             SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
-            jnp.ones((batch,), jnp.int32), jnp.zeros((batch, bucket(prompt_len)), jnp.int32),
+            jnp.ones((batch,), jnp.int32), jnp.zeros((batch, prompt_width(prompt_len, max_len)), jnp.int32),
         ))
         token_B, cache, _ = self._prefill(self.params, cache, tokens, lens, keys, params)
         active = self.on_rows(jnp.ones((batch,), bool))
@@ -348,7 +355,7 @@ class AutoregressiveGenerator:
             while (fill := slots.refill(held=untapped)) is not None:
                 rows, joining, size, whole = fill
                 start = time.perf_counter()
-                padded, fill_lens, params, keys = requests.pick(joining + joining[:1] * (size - len(joining)))
+                padded, fill_lens, params, keys = requests.pick(joining + joining[:1] * (size - len(joining)), max_len)
                 params, keys, tokens_BxP, lens_B = self.on_rows((
                     params, keys, jnp.asarray(padded), jnp.asarray(fill_lens, jnp.int32),
                 ))

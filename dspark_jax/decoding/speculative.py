@@ -44,6 +44,7 @@ from dspark_jax.decoding.autoregressive import (
     bucket,
     cache_len,
     prepare_requests,
+    prompt_width,
 )
 from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
 from dspark_jax.decoding.slots import Completions, RowInserter, Slots
@@ -411,7 +412,8 @@ class SpeculativeDecoder:
             SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
             jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
         ))
-        state = self.prefill(batch, max_len, np.zeros((batch, bucket(prompt_len)), np.int32), [1] * batch, keys, params)[1]
+        state = self.prefill(batch, max_len, np.zeros((batch, prompt_width(prompt_len, max_len)), np.int32), [1] * batch, keys,
+                             params)[1]
         for width in self.verify_widths:
             block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active, NO_FLOOR)
             if self._plan_next_round is not None:
@@ -500,7 +502,7 @@ class SpeculativeDecoder:
             while (fill := slots.refill()) is not None:
                 rows, joining, size, whole = fill
                 start = time.perf_counter()
-                padded, fill_lens, fill_params, fill_keys = requests.pick(joining + joining[:1] * (size - len(joining)))
+                padded, fill_lens, fill_params, fill_keys = requests.pick(joining + joining[:1] * (size - len(joining)), max_len)
                 fill_params, fill_keys = self.rows.on_rows((fill_params, fill_keys))
                 first, filled = self.prefill(size, max_len, padded, fill_lens, fill_keys, fill_params)
                 filled = (filled, fill_keys, fill_params)

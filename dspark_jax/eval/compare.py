@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_jax.config import SamplingConfig
-from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, bucket, cache_len
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len, prompt_width
 from dspark_jax.decoding.batch_job import jsonl_lines
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.eval.metrics import accepted_drafts, per_position_acceptance, tau_of
@@ -181,7 +181,7 @@ class Comparison:
         # at it compiles what generate() itself does per prompt shape (target-only's prefill turns
         # the bucket's prompt array into a device array, an eager compile per bucket that warmup()
         # does not make, and that would otherwise land in the first timed prefill of each bucket).
-        lengths = sorted({bucket(n): n for n in prompt_lens}.values())
+        lengths = sorted({prompt_width(n, self.max_len_ar): n for n in prompt_lens}.values())
         start = time.perf_counter()
         for n in lengths:
             self.baseline.warmup(1, n, self.max_len_ar)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.config import SamplingConfig, output_file, write_json
-from dspark_jax.decoding.autoregressive import bucket
+from dspark_jax.decoding.autoregressive import prompt_width
 from dspark_jax.sampling import SamplingParams, request_keys
 from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy, cost_tables
 
@@ -74,7 +74,7 @@ def profile_round_costs(
             jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
         ))
         stops = stop_id_array(())
-        prompts = np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, bucket(prompt_len)), dtype=np.int32)
+        prompts = np.random.default_rng(seed).integers(0, target.cfg.vocab_size, (batch, prompt_width(prompt_len, max_len)), dtype=np.int32)
         _, state = decoder.prefill(batch, max_len, prompts, [prompt_len] * batch, keys, params)
         times = {w: [] for w in (PLAIN, *widths)}
         block = None
