@@ -269,7 +269,7 @@ def cmd_bench(args) -> int:
     else:
         texts = list(DEMO_PROMPTS[: args.prompts])
     check_drafter_arg(args.drafter or DEFAULT)
-    target, tokenizer = load_target(None)
+    target, tokenizer = load_target(args.checkpoint)
     name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, sampling=sampling)
     if note:
         print(f"note: {note}")
@@ -393,7 +393,7 @@ def cmd_profile(args) -> int:
     sampling = sampling_from_args(args)
     check_drafter_arg(args.drafter)
     cost_table_path(args.out)  # before minutes of profiling, not after
-    target, _ = load_target(None)
+    target, _ = load_target(args.checkpoint)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size),
                                  verify_widths=args.widths)
@@ -426,7 +426,7 @@ def cmd_calibrate(args) -> int:
     except ValueError as error:
         raise ValueError(f"the calibration goes to {directory}, but {error}"
                          + ("" if args.out_dir else "; choose another place with --out-dir")) from None
-    target, tokenizer = load_target(None)
+    target, tokenizer = load_target(args.checkpoint)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     if not drafter.cfg.confidence_head:
         raise SystemExit(f"--drafter {args.drafter!r}: a {drafter.cfg.kind} drafter has no confidence head to calibrate")
@@ -535,9 +535,13 @@ def sampling_from_args(args):
     return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+def add_checkpoint_argument(parser) -> None:
+    parser.add_argument("--checkpoint", default=None, help="the target: a GGUF file or HF directory (default: embedded SmolLM2)")
+
+
 def add_model_arguments(parser) -> None:
     """The target and, for speculative decoding, the drafter and its policy."""
-    parser.add_argument("--checkpoint", default=None, help="GGUF file or HF directory (default: embedded SmolLM2)")
+    add_checkpoint_argument(parser)
     parser.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: target-only decoding)")
     parser.add_argument("--policy", default=None, help=POLICY_HELP)
 
@@ -586,6 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.set_defaults(func=cmd_batch)
 
     bench = sub.add_parser("bench", help="target-only vs speculative decoding on the same prompts (B=1)")
+    add_checkpoint_argument(bench)
     bench.add_argument("--drafter", default=None, help=DRAFTER_HELP + " (default: smollm2_135m_dspark)")
     bench.add_argument("--policy", default=None, help=POLICY_HELP)
     bench.add_argument("--prompts", type=positive_int, default=None, help="how many prompts (default: all)")
@@ -602,6 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.set_defaults(func=cmd_convert)
 
     prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")
+    add_checkpoint_argument(prof)
     prof.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     prof.add_argument("--batch", type=positive_int, nargs="+", default=[1], help="batch sizes to profile (default 1)")
     prof.add_argument("--widths", type=positive_int, nargs="+", default=None,
@@ -615,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(func=cmd_profile)
 
     cal = sub.add_parser("calibrate", help="fit the confidence head's calibration on held-out prompts")
+    add_checkpoint_argument(cal)
     cal.add_argument("--drafter", default="smollm2_135m_dspark", help=DRAFTER_HELP)
     cal.add_argument("--prompts", type=positive_int, default=192,
                      help="held-out prompts to decode (default 192: a fit on 48 did not hold on other prompts, "

@@ -536,3 +536,21 @@ def test_eval_long_answers_refuses_unknown_mixes_and_training_seeds(embedded_tar
     args = script.parse_args(argv + ["--benchmarks", one_benchmark_prompt(tmp_path / "benchmarks")])
     with pytest.raises(ValueError, match=message):
         script.mix_prompts(args, embedded_target[1])
+
+
+@pytest.mark.parametrize("command", [["bench"], ["profile", "--out", "costs.json"], ["calibrate"]],
+                         ids=lambda c: c[0])
+def test_bench_profile_and_calibrate_take_the_users_target(command, monkeypatch, capsys, tmp_path):
+    """A drafter trained for your own target (``TrainConfig(target_checkpoint=...)``) is profiled,
+    calibrated and benchmarked on that target, as generate and batch decode with it."""
+    loaded = []
+
+    def load_target(checkpoint=None):
+        loaded.append(checkpoint)
+        raise ValueError("stopped after choosing the target")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("dspark_jax.cli.load_target", load_target)
+    assert main([*command, "--checkpoint", "my_model.gguf"]) == 2
+    assert loaded == ["my_model.gguf"]
+    assert "stopped after choosing the target" in capsys.readouterr().err
