@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench lint clean-venv
+.PHONY: demo test test-all bench notebooks lint clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,8 +31,13 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(PY) scripts/bench_target.py --out docs/bench_target.json
 
+# Run every notebook top to bottom and save it with its outputs (what is committed), in this
+# venv's kernel whatever kernels the user has installed (JUPYTER_PATH comes first).
+notebooks: $(STAMP)
+	cd notebooks && JUPYTER_PATH=$(CURDIR)/$(VENV)/share/jupyter ../$(VENV)/bin/jupyter-execute --inplace --timeout 900 *.ipynb
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dspark_jax pallas_kernels scripts tests
+	$(VENV)/bin/ruff check dspark_jax pallas_kernels scripts tests notebooks
 
 clean-venv:
 	rm -rf $(VENV)
