@@ -127,12 +127,13 @@ def cmd_generate(args) -> int:
     ids = _encode(tokenizer, args.prompt, args.chat)
     stops = tokenizer.stop_ids
     if args.drafter is not None:
-        from dspark_jax.eval.compare import make_decoder
+        from dspark_jax.eval.compare import decoding_cache_len, make_decoder
 
         name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy, sampling=sampling)
         if note:
             print(f"note: {note}", file=sys.stderr)
-        runner = make_decoder(target, drafter, policy, profile_sampling=sampling)
+        runner = make_decoder(target, drafter, policy, profile_sampling=sampling,
+                              profile_max_len=decoding_cache_len(target, drafter, [len(ids)], args.max_new_tokens))
     else:
         runner = AutoregressiveGenerator(target)
     max_len = runner.cache_len_for([len(ids)], args.max_new_tokens)
@@ -169,7 +170,7 @@ def cmd_batch(args) -> int:
 
     from dspark_jax import multihost
     from dspark_jax.decoding import batch_job
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
     from dspark_jax.scheduler.prefix import SchedulerPolicy
 
     if args.policy is not None and args.drafter is None:
@@ -202,7 +203,7 @@ def cmd_batch(args) -> int:
         stops = tokenizer.stop_ids
         costs = None
         if args.drafter is not None:
-            from dspark_jax.eval.compare import make_decoder
+            from dspark_jax.eval.compare import decoding_cache_len, make_decoder
 
             name, drafter, policy, note = load_drafter_arg(args.drafter, target, policy,
                                                             sampling=[r.sampling for r in requests])
@@ -210,12 +211,10 @@ def cmd_batch(args) -> int:
                 print(f"note: {note}", file=sys.stderr)
             if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
                 policy = policy.with_tables(own_job.scheduler_costs)
-            # A scheduler is timed at the cache length of the job's longest request (a round's cost grows with it).
-            longest = max(len(r.ids) for r in own_requests)
             runner = make_decoder(
                 target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
-                profile_max_len=cache_len([longest], args.max_new_tokens, target.cfg.max_position_embeddings,
-                                          drafter.cfg.block_size + 1))
+                profile_max_len=decoding_cache_len(target, drafter, [len(r.ids) for r in own_requests],
+                                                   args.max_new_tokens))
             if isinstance(runner.policy, SchedulerPolicy):
                 costs = {b: dict(table) for b, table in runner.policy.costs}
                 if args.batch_size not in costs:
@@ -257,7 +256,13 @@ def _yes_no(identical) -> str:
 
 def cmd_bench(args) -> int:
     from dspark_jax.drafters import DEFAULT
-    from dspark_jax.eval.compare import Comparison, make_decoder, read_prompts_jsonl, summarize
+    from dspark_jax.eval.compare import (
+        Comparison,
+        decoding_cache_len,
+        make_decoder,
+        read_prompts_jsonl,
+        summarize,
+    )
 
     policy = parse_policy_arg(args.policy)
     sampling = sampling_from_args(args)
@@ -273,8 +278,9 @@ def cmd_bench(args) -> int:
     name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, sampling=sampling)
     if note:
         print(f"note: {note}")
-    decoder = make_decoder(target, drafter, policy, profile_sampling=sampling)
     prompts = [_encode(tokenizer, text, chat=True) for text in texts]
+    decoder = make_decoder(target, drafter, policy, profile_sampling=sampling, profile_max_len=decoding_cache_len(
+        target, drafter, [len(p) for p in prompts], args.max_new_tokens))
     print(f"target-only vs speculative decoding, drafter {_describe(name, drafter, decoder)}; "
           f"{len(prompts)} prompts one at a time (B=1), up to {args.max_new_tokens} new tokens, {sampling.describe()}")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,
@@ -347,12 +353,13 @@ def cmd_demo(args) -> int:
 def _demo_side_by_side(args, target, tokenizer, prompts) -> None:
     """Target-only vs the shipped DSpark drafter, greedy, B=1: the text once, both timings."""
     from dspark_jax.drafters import DEFAULT
-    from dspark_jax.eval.compare import Comparison, make_decoder
+    from dspark_jax.eval.compare import Comparison, decoding_cache_len, make_decoder
 
     name, drafter, policy, note = load_drafter_arg(DEFAULT, target, parse_policy_arg(args.policy))
     if note:
         print(f"note: {note}")
-    decoder = make_decoder(target, drafter, policy)
+    decoder = make_decoder(target, drafter, policy, profile_max_len=decoding_cache_len(
+        target, drafter, [len(p) for p in prompts], args.max_new_tokens))
     print(f"\n== target-only vs DSpark ({_describe(name, drafter, decoder)}), greedy, one request at "
           f"a time (B=1), {args.max_new_tokens} new tokens max")
     comparison = Comparison(target, {name: decoder}, max_new_tokens=args.max_new_tokens,

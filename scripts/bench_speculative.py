@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     from dspark_jax.eval.bench import machine_info
     from dspark_jax.eval.compare import (
         Comparison,
+        decoding_cache_len,
         json_clean,
         macro,
         make_decoder,
@@ -175,6 +176,7 @@ def main(argv=None) -> int:
     target, tokenizer = load_embedded_target()
     print(f"loaded target ({target.num_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     domains = load_domains(texts, tokenizer)
+    lens = [len(ids) for d in domains.values() for ids in d["ids"]]
 
     decoders, drafters = {}, {}
     # Scheduler decoders on the same weights share the first one's profiled cost table: profiles
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
                 name, n = f"{base}#{n}", n + 1
             if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and weights in profiles:
                 chosen = dataclasses.replace(chosen, costs=profiles[weights])
-            decoders[name] = make_decoder(target, drafter, chosen, profile_sampling=sampling)
+            decoders[name] = make_decoder(target, drafter, chosen, profile_sampling=sampling,
+                                          profile_max_len=decoding_cache_len(target, drafter, lens, args.max_new_tokens))
             if isinstance(decoders[name].policy, SchedulerPolicy):
                 profiles.setdefault(weights, decoders[name].policy.costs)
             drafters[name] = {
@@ -217,7 +220,6 @@ def main(argv=None) -> int:
 
     comparison = Comparison(target, decoders, max_new_tokens=args.max_new_tokens,
                             stop_ids=tokenizer.stop_ids, sampling=sampling)
-    lens = [len(ids) for d in domains.values() for ids in d["ids"]]
     total = args.seeds * sum(len(d["ids"]) for d in domains.values())
     with tqdm(total=total + 1, desc="bench_speculative", file=sys.stderr, dynamic_ncols=True) as bar:
         bar.set_postfix_str(f"compile + warm-up ({len(decoders) + 1} decoders)")

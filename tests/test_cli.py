@@ -554,3 +554,20 @@ def test_bench_profile_and_calibrate_take_the_users_target(command, monkeypatch,
     assert main([*command, "--checkpoint", "my_model.gguf"]) == 2
     assert loaded == ["my_model.gguf"]
     assert "stopped after choosing the target" in capsys.readouterr().err
+
+
+def test_a_scheduler_is_timed_on_the_cache_it_decodes_with(monkeypatch, shared_target, random_drafter_dir):
+    """A round costs more on a longer cache, so generate and bench time the scheduler's rounds on
+    the cache length their prompts decode with, not a fixed 256 slots: a 601-token prompt with 64
+    new tokens (and 8 slots of verify slack) decodes on 768, the demo prompts with 200 on 384."""
+    timed = []
+
+    def profile_round_costs(decoder, batch, **kwargs):
+        timed.append(kwargs["max_len"])
+        raise ValueError("stopped before timing")
+
+    monkeypatch.setattr("dspark_jax.scheduler.profile.profile_round_costs", profile_round_costs)
+    scheduled = ["--drafter", str(random_drafter_dir), "--policy", "scheduler"]
+    assert main(["generate", "--prompt", "word " * 600, "--max-new-tokens", "64", *scheduled]) == 2
+    assert main(["bench", "--max-new-tokens", "200", *scheduled]) == 2
+    assert timed == [768, 384]

@@ -114,6 +114,13 @@ def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):
     return policy, None
 
 
+def decoding_cache_len(target, drafter, prompt_lens: Sequence[int], max_new_tokens: int) -> int:
+    """The cache length these prompts decode with at the drafter's widest verify (γ + 1 slots of
+    slack): what a scheduler's cost table should be timed at, since a round's cost grows with the
+    cache (a 667-token prompt decodes on 768 slots, where the default table times 256)."""
+    return cache_len(prompt_lens, max_new_tokens, target.cfg.max_position_embeddings, drafter.cfg.block_size + 1)
+
+
 def make_decoder(target, drafter, policy, *, profile_batches: Sequence[int] = (1,), profile_max_len: int = 256,
                  profile_sampling=None, mesh=None):
     """A decoder for ``policy`` (None: the decoder's default), its batches split over ``mesh`` if given.
