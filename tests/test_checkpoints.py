@@ -417,11 +417,15 @@ def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, 
     np.testing.assert_allclose(logits_of(converted), logits_of(target), atol=0.1)  # Q8_0: close, not equal
 
 
-def test_a_qwen3_config_without_head_dim_takes_transformers_default():
-    """Qwen3Config's head_dim defaults to 128, not hidden_size // num_attention_heads (Llama's)."""
-    hf = {k: v for k, v in config_to_hf(tiny_config(**QWEN3)).items() if k != "head_dim"}
-    assert config_from_hf(hf).head_dim == 128
-    assert config_from_hf(dict(hf, model_type="llama")).head_dim == 48 // 4
+def test_a_config_without_head_dim_or_positions_takes_transformers_defaults():
+    """Qwen3Config's head_dim defaults to 128, not hidden_size // num_attention_heads (Llama's);
+    max_position_embeddings to 32768 for Qwen3 and 2048 for Llama (transformers 5.25), which bounds
+    the cache a prompt and its answer may take here."""
+    absent = ("head_dim", "max_position_embeddings")
+    hf = {k: v for k, v in config_to_hf(tiny_config(**QWEN3)).items() if k not in absent}
+    qwen3, llama = config_from_hf(hf), config_from_hf(dict(hf, model_type="llama"))
+    assert (qwen3.head_dim, qwen3.max_position_embeddings) == (128, 32768)
+    assert (llama.head_dim, llama.max_position_embeddings) == (48 // 4, 2048)
 
 
 def test_gguf_rope_scaling_is_refused_naming_the_field(tmp_path):

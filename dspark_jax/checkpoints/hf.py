@@ -101,7 +101,8 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
-        max_position_embeddings=integer("max_position_embeddings", 8192),
+        # transformers' defaults (LlamaConfig 2048, Qwen3Config 32768), for a config.json without it
+        max_position_embeddings=integer("max_position_embeddings", 32768 if model_type == "qwen3" else 2048),
         architecture=model_type,
     )
 
