@@ -151,21 +151,17 @@ def test_a_path_that_is_not_a_whole_checkpoint_directory_is_named(tmp_path):
         save_drafter(build_drafter(cfg), a_file)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_drafter(tmp_path / "nowhere")
-    checkpoint = save_drafter(build_drafter(cfg), tmp_path / "ckpt")
-    (checkpoint / "model.safetensors").unlink()
-    with pytest.raises(ValueError, match="has no model.safetensors.*incomplete"):
-        load_drafter(checkpoint)
-    (checkpoint / "model.safetensors").mkdir()
-    with pytest.raises(ValueError, match=f"{re.escape(str(checkpoint / 'model.safetensors'))} is not a file"):
-        load_drafter(checkpoint)
-    (checkpoint / "model.safetensors").rmdir()
-    save_drafter(build_drafter(cfg), checkpoint)
-    (checkpoint / "config.json").unlink()
-    with pytest.raises(ValueError, match="has model.safetensors but no config.json.*incomplete"):
-        load_drafter(checkpoint)
-    (checkpoint / "config.json").mkdir()
-    with pytest.raises(ValueError, match=f"{re.escape(str(checkpoint / 'config.json'))} is not a file"):
-        load_drafter(checkpoint)
+    checkpoint = tmp_path / "ckpt"
+    for name, missing in (("model.safetensors", "has no model.safetensors.*incomplete"),
+                          ("config.json", "has model.safetensors but no config.json.*incomplete")):
+        save_drafter(build_drafter(cfg), checkpoint)  # half a checkpoint: one file gone, then a directory there
+        (checkpoint / name).unlink()
+        with pytest.raises(ValueError, match=missing):
+            load_drafter(checkpoint)
+        (checkpoint / name).mkdir()
+        with pytest.raises(ValueError, match=f"{re.escape(str(checkpoint / name))} is not a file"):
+            load_drafter(checkpoint)
+        (checkpoint / name).rmdir()
 
 
 @pytest.mark.parametrize(
