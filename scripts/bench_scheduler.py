@@ -25,7 +25,6 @@ Writes JSON (``--out``) and a PNG of throughput against B next to it; the last l
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -35,8 +34,9 @@ from pathlib import Path
 from dspark_jax.cli import positive_int
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
+    interleaved_texts,
     json_output_with_plot,
-    read_benchmark_prompts,
+    policy_bench,
     set_quick_defaults,
 )
 
@@ -64,18 +64,6 @@ def parse_args(argv):
     args.policy = args.policy or ["fixed:7", "threshold:0.4", "scheduler", "scheduler-ahead"]
     set_quick_defaults(args, batches=([1, 4], [1, 4, 8]), batches_per_size=(1, 2), max_new_tokens=(12, 64))
     return args
-
-
-def interleaved_texts(directory, count: int) -> list[str]:
-    """``count`` first turns of the math, code and chat sets, interleaved."""
-    from dspark_jax.eval.compare import DOMAIN_FILES
-
-    per_domain = -(-count // len(DOMAIN_FILES))
-    lists = read_benchmark_prompts(directory, DOMAIN_FILES.values(), per_domain)
-    texts = [t for group in zip(*lists) for t in group][:count]
-    if len(texts) < count:
-        raise SystemExit(f"--benchmarks {directory}: {count} prompts needed, {len(texts)} found")
-    return texts
 
 
 def results_table(totals: dict) -> dict:
@@ -133,47 +121,21 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from dspark_jax.checkpoints.drafter import read_drafter_config
-    from dspark_jax.checkpoints.gguf import load_embedded_target
-    from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
-    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, cache_len, prompt_width
+    from dspark_jax.cli import check_drafter_arg, parse_policy_arg, policy_text
+    from dspark_jax.decoding.autoregressive import AutoregressiveGenerator, prompt_width
     from dspark_jax.diagnostics import count_compilations
-    from dspark_jax.drafters import resolve_drafter
     from dspark_jax.eval.bench import machine_info
-    from dspark_jax.eval.compare import json_clean, make_decoder
-    from dspark_jax.scheduler.prefix import SchedulerPolicy
+    from dspark_jax.eval.compare import json_clean
     from dspark_jax.scheduler.profile import policy_summary
 
-    policies = [(text, parse_policy_arg(text)) for text in args.policy]
+    policies = {text: parse_policy_arg(text) for text in args.policy}
     check_drafter_arg(args.drafter)
     texts = interleaved_texts(args.benchmarks, max(args.batches) * args.batches_per_size)
     started, load_start = time.time(), os.getloadavg()
-    target, tokenizer = load_embedded_target()
+    # One cache length for every decoder, target-only too (eval.bench.policy_decoders).
+    target, tokenizer, prompts, max_len, decoders = policy_bench(
+        texts, args.drafter, policies, batches=args.batches, max_new_tokens=args.max_new_tokens)
     stops = tokenizer.stop_ids
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    limit = target.cfg.max_position_embeddings
-
-    # Every decoder reserves room for its widest verify forward: γ + 1 for fixed:K and the
-    # default buckets alike (checked below), so one cache length serves them all, target-only
-    # too: a decode step attends over the whole cache, so a shorter one would make its steps
-    # cheaper than the speculative rounds' (compare.Comparison.prepare).
-    slack = read_drafter_config(resolve_drafter(args.drafter)[1])[0].block_size + 1
-    max_len = cache_len([len(p) for p in prompts], args.max_new_tokens, limit, slack)
-    decoders, costs = {}, None
-    for text, policy in policies:
-        _, drafter, chosen, note = load_drafter_arg(args.drafter, target, policy)
-        if note:
-            print(f"note: {text}: {note}", file=sys.stderr)
-        # A scheduler without a table is timed here, at every B, on the cache length decoding
-        # uses; once, so that schedulers compared side by side weigh the same costs.
-        if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and costs is not None:
-            chosen = dataclasses.replace(chosen, costs=costs)
-        decoders[text] = make_decoder(target, drafter, chosen, profile_batches=args.batches,
-                                      profile_max_len=max_len)
-        if isinstance(decoders[text].policy, SchedulerPolicy):
-            costs = costs or decoders[text].policy.costs
-        if decoders[text].slack != slack:
-            raise SystemExit(f"--policy {text}: verifies up to {decoders[text].slack} tokens a row, not γ + 1 = {slack}")
     baseline = AutoregressiveGenerator(target)
 
     t0 = time.perf_counter()

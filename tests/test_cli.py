@@ -330,6 +330,26 @@ def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
+    out = tmp_path / "serving.json"
+    argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--requests", "3",
+            "--drafter", str(random_drafter_dir), "--max-new-tokens", "3", "--rates", "50", "inf", "--out", str(out)]
+    assert load_script("bench_serving").main(argv) == 0
+    data = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == data["summary"]
+    assert data["summary"]["identical"] is True and data["compiles_while_timing"] == 0
+    assert set(data["runs"]) == {"target-only", "fixed:7", "scheduler"}
+    assert set(data["summary"]["throughput_ratio"]["scheduler"]["B=2"]) == {"50", "inf"}
+    assert data["arrivals_s"]["inf"] == [0, 0, 0] and data["arrivals_s"]["50"][0] == 0
+    for per_b in data["runs"].values():
+        for run in per_b["B=2"].values():
+            assert run["requests"] == 3 and run["tokens"] <= 9 and run["throughput"] > 0
+            assert 0 <= run["ttft_s"]["p50"] <= run["latency_s"]["p50"] <= run["latency_s"]["p99"]
+    assert "tau" in data["runs"]["fixed:7"]["B=2"]["inf"] and "tau" not in data["runs"]["target-only"]["B=2"]["inf"]
+    assert data["summary"]["pareto_front"] and out.with_suffix(".png").stat().st_size > 0
+
+
 def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_target,
                                                                        random_drafter_dir):
     import shutil

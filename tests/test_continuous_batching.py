@@ -1,6 +1,7 @@
 """Continuous batching: more requests than rows, a finished request's row refilled with the next."""
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from dspark_jax.config import DrafterConfig, SamplingConfig
 from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
 from dspark_jax.decoding.slots import IDLE, Slots, row_axes
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, ThresholdPolicy
+from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
 from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter
 from tests.refills import counting_refills
@@ -64,6 +66,44 @@ def test_slots_fill_idle_rows_in_request_order():
     # On a mesh a refill is a multiple of the data-parallel devices.
     assert Slots(3, rows=16, devices=4).sizes == [4, 8, 16]
     assert Slots(3, rows=8, devices=8).sizes == [8]
+
+
+class FakeClock:
+    """A clock that moves only when slept on."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_slots_take_requests_in_order_of_arrival_once_arrived():
+    clock = FakeClock()
+    slots = Slots(4, rows=2, arrivals=[0.0, 5.0, 1.0, 1.0], clock=clock, sleep=clock.sleep)
+    first = slots.refill()  # only request 0 has arrived: the batch is prefilled around it
+    assert first.whole and first.size == 2 and list(first.rows) == [0] and first.requests == [0]
+    assert slots.refill() is None and slots.arrived() == 0
+    clock.now += 1.0
+    assert slots.arrived() == 2  # requests 2 and 3 (t = 1) are ahead of request 1 (t = 5)
+    joined = slots.refill()
+    assert not joined.whole and list(joined.rows) == [1] and joined.requests == [2] and joined.size == 1
+    slots.release(0)
+    assert slots.refill().requests == [3]
+    slots.release(0)
+    slots.release(1)
+    assert slots.refill() is None  # request 1 is still to come
+    assert slots.wait_for_arrival() and clock.now == 105.0  # slept until it arrived
+    assert slots.refill().requests == [1]
+    slots.release(0)
+    assert not slots.wait_for_arrival() and clock.now == 105.0  # nothing waits: the run is over
+    for arrivals, message in [([0.0], "one time per request, so 4"), ([0, 1, -1, 2], "request 2 has -1"),
+                              ([0, float("nan"), 1, 2], "request 1 has nan"), (["soon"] * 4, "numbers of seconds")]:
+        with pytest.raises(ValueError, match=message):
+            Slots(4, rows=2, arrivals=arrivals)
 
 
 def test_the_batch_axis_of_every_state_leaf_is_found():
@@ -144,6 +184,37 @@ def test_a_prompt_padded_past_its_cache_is_prefilled_within_it(tiny, make):
     assert inserts, "no request joined a batch in flight"
     wide = [runner.generate([r], max_len=512, **kwargs).tokens[0] for r in requests]
     assert result.tokens == wide
+
+
+@pytest.mark.parametrize("make", [
+    lambda target, drafter: AutoregressiveGenerator(target),
+    lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
+], ids=["target-only", "speculative"])
+def test_requests_decode_from_their_arrival_on(tiny, make):
+    """Online serving (``arrivals``): no request gets a token before it arrives, they join in order
+    of arrival (request 0 comes last), a batch with nothing in flight waits for the next arrival
+    instead of ending, and each request's tokens are those it gets when all arrive at once. A
+    warm-up with ``refills`` compiled every program serving takes."""
+    target, drafter, prompts, sampling = tiny
+    runner = make(target, drafter)
+    kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
+    at_once = runner.generate(prompts, **kwargs)  # one batch of 13: no refill
+    for length in (2, 11):  # the two prompt widths these prompts pad to (16 and 32 columns)
+        runner.warmup(4, length, 48, refills=True)
+    # Eight at the start, four at 0.3 s, request 0 at 0.6 s: 4 rows of this target finish each wave
+    # in milliseconds, so the batch runs dry twice.
+    arrivals = [0.6] + [0.0] * 8 + [0.3] * 4
+    first = {}
+    start = time.perf_counter()
+    with count_compilations() as compiled:
+        served = runner.generate(prompts, arrivals=arrivals, batch_size=4,
+                                 on_tokens=lambda i, tokens: first.setdefault(i, time.perf_counter() - start), **kwargs)
+    assert compiled.count == 0
+    assert served.tokens == at_once.tokens and served.finish_reasons == at_once.finish_reasons
+    assert all(first[i] >= arrivals[i] for i in range(len(prompts))), (first, arrivals)
+    assert first[0] > max(first[i] for i in range(1, len(prompts)))
+    with pytest.raises(ValueError, match="one time per request, so 13"):
+        runner.generate(prompts, arrivals=[0.0], batch_size=4, **kwargs)
 
 
 def test_bad_batch_sizes_are_refused(tiny):

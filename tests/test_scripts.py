@@ -8,9 +8,9 @@ import pytest
 from tests.test_cli import REPO, load_script
 
 # Every script that writes a JSON report with --out (eval_calibration's --out is required).
-WRITERS = ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler", "bench_speculative", "bench_startup",
-           "bench_target", "eval_calibration", "eval_heldout", "eval_long_answers", "exactness_report"]
-PLOTTERS = ["bench_scheduler", "bench_speculative", "bench_target"]  # a PNG beside the JSON
+WRITERS = ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler", "bench_serving", "bench_speculative",
+           "bench_startup", "bench_target", "eval_calibration", "eval_heldout", "eval_long_answers", "exactness_report"]
+PLOTTERS = ["bench_scheduler", "bench_serving", "bench_speculative", "bench_target"]  # a PNG beside the JSON
 
 
 def parse(script: str, argv: list[str]):
@@ -42,7 +42,7 @@ def test_an_out_path_ending_in_png_is_refused_where_the_plot_goes_beside_the_jso
 
 
 @pytest.mark.parametrize("script", ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler",
-                                    "bench_speculative", "bench_startup", "bench_target", "eval_heldout",
+                                    "bench_serving", "bench_speculative", "bench_startup", "bench_target", "eval_heldout",
                                     "eval_long_answers"])
 def test_default_out_paths_are_in_the_repository_docs_wherever_the_script_runs(script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -54,6 +54,8 @@ def test_default_out_paths_are_in_the_repository_docs_wherever_the_script_runs(s
 @pytest.mark.parametrize("script, argv", [
     ("bench_scheduler", ["--batches-per-size", "0"]),
     ("bench_scheduler", ["--max-new-tokens", "0"]),
+    ("bench_serving", ["--requests", "0"]),
+    ("bench_serving", ["--batch-sizes", "0"]),
     ("bench_batch", ["--per-set", "0"]),
     ("bench_batch", ["--batch-size", "0"]),
     ("bench_batch", ["--max-new-tokens", "0"]),
@@ -87,6 +89,28 @@ def test_scheduler_ratios_are_nan_when_target_only_timed_no_decode_step():
     table = load_script("bench_scheduler").results_table({"target_only": {1: dict(empty)}, "fixed:1": {1: dict(empty)}})
     assert math.isnan(table["target_only"]["1"]["tokens_per_s"])
     assert math.isnan(table["fixed:1"]["1"]["speedup"]) and table["fixed:1"]["1"]["rounds"] == 0
+
+
+def test_serving_rates_are_positive_or_inf_and_target_only_is_not_a_policy(capsys):
+    args = parse("bench_serving", ["--quick"])
+    assert (args.requests, args.rates, args.batch_sizes, args.policy) == (4, [2.0, math.inf], [2], ["fixed:7", "scheduler"])
+    assert parse("bench_serving", ["--rates", "0.5", "inf"]).rates == [0.5, math.inf]
+    for rate in ("0", "-1", "nan", "soon"):
+        assert f"{rate!r} is not an arrival rate" in refusal("bench_serving", ["--rates", rate], capsys)
+    assert "target-only decoding always runs" in refusal("bench_serving", ["--policy", "target-only"], capsys)
+
+
+def test_serving_runs_are_compared_with_target_only_at_the_same_batch_and_rate():
+    def run(throughput, per_user, p90):
+        return {"throughput": throughput, "per_user_tokens_per_s": per_user, "latency_s": {"p90": p90}}
+
+    summaries = {"target-only": {"B=1": {"1": run(10.0, 10.0, 4.0), "inf": run(16.0, 10.0, 8.0)}},
+                 "fixed:7": {"B=1": {"1": run(15.0, 20.0, 2.0), "inf": run(8.0, 9.0, 16.0)}}}
+    compared = load_script("bench_serving").compare_runs(summaries)
+    assert compared["ratios"] == {"fixed:7": {"B=1": {"1": {"throughput": 1.5, "latency_p90": 0.5},
+                                                      "inf": {"throughput": 0.5, "latency_p90": 2.0}}}}
+    # The most per-user speed and the most throughput; the other two runs are beaten on both.
+    assert compared["pareto_front"] == ["fixed:7 B=1 rate 1", "target-only B=1 rate inf"]
 
 
 def bad_benchmarks(tmp_path):

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig, as_int, as_ints, check_tap_layers
 from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
-from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots
+from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots, refill_sizes
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
@@ -258,19 +258,30 @@ class AutoregressiveGenerator:
         return self._new_cache(batch, max_len)
 
     @in_mesh_scope
-    def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
-        """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent."""
+    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False) -> float:
+        """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent.
+        ``refills``: also the prefills and row inserts of continuous batching into ``batch`` rows
+        (every refill size), so that serving requests as they come compiles nothing."""
         start = time.perf_counter()
-        cache = self.new_cache(batch, max_len)
-        params, keys, lens, tokens = self.on_rows((
-            SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
-            jnp.ones((batch,), jnp.int32), jnp.zeros((batch, prompt_width(prompt_len, max_len)), jnp.int32),
-        ))
-        token_B, cache, _ = self._prefill(self.params, cache, tokens, lens, keys, params)
-        active = self.on_rows(jnp.ones((batch,), bool))
-        token_B, cache, _ = self._decode_step(self.params, cache, token_B, active, lens, keys, params)
-        jax.block_until_ready(token_B)
+        cache, token_B, keys, params = self._dummy_prefill(batch, prompt_len, max_len)
+        # Host arrays go through the same numpy -> device conversions as in generate().
+        step, active = self.on_rows((jnp.asarray([0] * batch, jnp.int32), jnp.asarray(np.ones(batch, bool))))
+        token_B, cache, _ = self._decode_step(self.params, cache, token_B, active, step, keys, params)
+        state = (cache, token_B, keys, params)
+        for size in refill_sizes(batch, self.rows.devices) if refills else ():
+            state = self._insert(state, self._dummy_prefill(size, prompt_len, max_len), np.arange(size), size, batch)
+        jax.block_until_ready(state)
         return time.perf_counter() - start
+
+    def _dummy_prefill(self, batch: int, prompt_len: int, max_len: int):
+        """Per-row state (cache, first token, keys, sampling) of ``batch`` one-token prompts padded
+        as a ``prompt_len`` prompt is."""
+        params, keys, tokens, lens = self.on_rows((
+            SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
+            jnp.asarray(np.zeros((batch, prompt_width(prompt_len, max_len)), np.int32)), jnp.asarray([1] * batch, jnp.int32),
+        ))
+        token_B, cache, _ = self._prefill(self.params, self.new_cache(batch, max_len), tokens, lens, keys, params)
+        return cache, token_B, keys, params
 
     @property
     def slack(self) -> int:
@@ -296,6 +307,7 @@ class AutoregressiveGenerator:
         continuous: bool = True,
         on_finish: FinishCallback | None = None,
         on_tokens: TokensCallback | None = None,
+        arrivals: Sequence[float] | None = None,
     ) -> GenerationResult:
         """Generate for token-id prompts.
 
@@ -311,13 +323,18 @@ class AutoregressiveGenerator:
         fixed batches of ``batch_size`` in order). ``on_finish(index, tokens, reason)`` is called
         as each request finishes, ``on_tokens(index, tokens)`` with each request's tokens as they
         are committed (streaming). ``on_step`` gets each step's token per row.
+
+        ``arrivals`` (online serving; default: every request at the start): per request, the
+        seconds after this call at which it arrives. A request joins the batch at the first refill
+        after its arrival, in order of arrival; with nothing to decode, the call sleeps until the
+        next arrival. ``prefill_s`` and ``decode_s`` do not count that sleep.
         """
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return GenerationResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0)
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous)
+                      continuous=continuous, arrivals=arrivals)
         batch = slots.rows
         self.rows.check_batch(batch)
         # Fitting the default cache refuses positions past the model's: a max_len given by hand
@@ -372,6 +389,8 @@ class AutoregressiveGenerator:
                 if on_step is not None:
                     on_step(first)
             if not slots.active.any() and not untapped:
+                if slots.wait_for_arrival():  # requests still to arrive: idle until the next
+                    continue
                 break
             start = time.perf_counter()
             cache, token_B, keys, params = state

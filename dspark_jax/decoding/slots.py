@@ -11,11 +11,16 @@ rounding (its prefill's shape depends on the requests it joined with; ``docs/EXA
 
 Refill sizes are bucketed (a multiple of the mesh's data-parallel devices, doubling, up to
 ``rows``) so that only a few prefill shapes compile.
+
+Requests may also arrive while the batch decodes (online serving, ``engine.load``): with
+``arrivals``, a request waits for a row only from its arrival time on, requests join in order of
+arrival, and a decoder with nothing in flight sleeps until the next one arrives.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from typing import Any, NamedTuple
@@ -42,16 +47,26 @@ class Slots:
 
     ``continuous=False`` refills only once every row is idle: fixed batches of ``rows``
     requests in order, each batch's composition independent of when its requests finish.
+
+    ``arrivals``: per request, the seconds after this object is made at which it arrives (default:
+    all at once). Requests are taken in order of arrival (ties in index order), each only once
+    ``clock()`` has reached its arrival; ``sleep`` waits for one (both replaceable for tests).
     """
 
-    def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True):
+    def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True,
+                 arrivals: Collection[float] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         self.rows, self.continuous = rows, continuous
         self.request_of = np.full(rows, IDLE, np.int64)
-        self.waiting = deque(range(num_requests))
-        # Refill batch sizes: devices, 2 * devices, ... below ``rows``, then ``rows`` itself.
-        self.sizes = [devices * 2**k for k in range(rows.bit_length()) if devices * 2**k < rows] + [rows]
+        arrival_s = np.zeros(num_requests) if arrivals is None else checked_arrivals(arrivals, num_requests)
+        order = np.argsort(arrival_s, kind="stable")
+        self.waiting = deque(int(i) for i in order)
+        self._arrival_order_s = arrival_s[order]  # ascending; waiting = the last len(waiting) of them
+        self.clock, self.sleep = clock, sleep
+        self.start = clock()
+        self.sizes = refill_sizes(rows, devices)
 
     @property
     def active(self) -> np.ndarray:
@@ -68,13 +83,50 @@ class Slots:
         idle = np.flatnonzero(free)
         if not self.waiting or not idle.size or (not self.continuous and idle.size < self.rows):
             return None
-        count = min(idle.size, len(self.waiting))
+        count = min(idle.size, self.arrived())
+        if not count:
+            return None
         whole = idle.size == self.rows
         size = self.rows if whole else next(s for s in self.sizes if s >= count)
         rows = idle[:count]
         requests = [self.waiting.popleft() for _ in range(count)]
         self.request_of[rows] = requests
         return Refill(rows, requests, size, whole)
+
+    def arrived(self) -> int:
+        """How many waiting requests have arrived."""
+        taken = len(self._arrival_order_s) - len(self.waiting)
+        return int(np.searchsorted(self._arrival_order_s, self.clock() - self.start, side="right")) - taken
+
+    def wait_for_arrival(self) -> bool:
+        """With no row in flight: sleep until the next waiting request arrives. False if none waits
+        (the run is over)."""
+        if not self.waiting:
+            return False
+        delay = self._arrival_order_s[-len(self.waiting)] - (self.clock() - self.start)
+        if delay > 0:
+            self.sleep(delay)
+        return True
+
+
+def refill_sizes(rows: int, devices: int = 1) -> list[int]:
+    """The batch sizes refills are prefilled at: devices, 2 * devices, ... below ``rows``, then
+    ``rows`` itself (what a warm-up compiles so that no refill compiles while serving)."""
+    return [devices * 2**k for k in range(rows.bit_length()) if devices * 2**k < rows] + [rows]
+
+
+def checked_arrivals(arrivals: Collection[float], num_requests: int) -> np.ndarray:
+    """``arrivals`` as float seconds, one per request, each finite and >= 0 (or a ValueError)."""
+    try:
+        times = np.asarray(arrivals, np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"arrivals must be numbers of seconds, one per request; got {arrivals!r}") from None
+    if times.shape != (num_requests,):
+        raise ValueError(f"arrivals: one time per request, so {num_requests}; got shape {times.shape}")
+    bad = np.flatnonzero(~np.isfinite(times) | (times < 0))
+    if bad.size:
+        raise ValueError(f"arrivals are seconds after the start, finite and >= 0; request {bad[0]} has {times[bad[0]]}")
+    return times
 
 
 class Completions:

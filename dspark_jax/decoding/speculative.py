@@ -47,7 +47,7 @@ from dspark_jax.decoding.autoregressive import (
     prompt_width,
 )
 from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
-from dspark_jax.decoding.slots import Completions, RowInserter, Slots
+from dspark_jax.decoding.slots import Completions, RowInserter, Slots, refill_sizes
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
@@ -404,16 +404,16 @@ class SpeculativeDecoder:
         return other
 
     @in_mesh_scope
-    def warmup(self, batch: int, prompt_len: int, max_len: int) -> float:
-        """Compile prefill, draft and every verify width for these shapes; returns seconds."""
+    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False) -> float:
+        """Compile prefill, draft and every verify width for these shapes; returns seconds.
+        ``refills``: also the prefills and row inserts of continuous batching into ``batch`` rows
+        (every refill size), so that serving requests as they come compiles nothing."""
         start = time.perf_counter()
-        # Host arrays go through the same numpy -> device conversions as in generate().
-        params, keys, active, lengths = self.rows.on_rows((
-            SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch)),
-            jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32),
-        ))
-        state = self.prefill(batch, max_len, np.zeros((batch, prompt_width(prompt_len, max_len)), np.int32), [1] * batch, keys,
-                             params)[1]
+        state, keys, params = self._dummy_prefill(batch, prompt_len, max_len)
+        active, lengths = self.rows.on_rows((jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32)))
+        for size in refill_sizes(batch, self.rows.devices) if refills else ():
+            state, keys, params = self._insert(
+                (state, keys, params), self._dummy_prefill(size, prompt_len, max_len), np.arange(size), size, batch)
         for width in self.verify_widths:
             block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active, NO_FLOOR)
             if self._plan_next_round is not None:
@@ -424,6 +424,13 @@ class SpeculativeDecoder:
             )
         jax.block_until_ready(state)
         return time.perf_counter() - start
+
+    def _dummy_prefill(self, batch: int, prompt_len: int, max_len: int):
+        """(DecodeState, keys, sampling) of ``batch`` one-token prompts padded as a ``prompt_len``
+        prompt is; host arrays go through the same numpy -> device conversions as in generate()."""
+        params, keys = self.rows.on_rows((SamplingParams.broadcast(SamplingConfig(), batch), request_keys(range(batch))))
+        padded = np.zeros((batch, prompt_width(prompt_len, max_len)), np.int32)
+        return self.prefill(batch, max_len, padded, [1] * batch, keys, params)[1], keys, params
 
     def reference_generator(self) -> AutoregressiveGenerator:
         """Target-only decoding that this decoder's greedy output equals token for token in
@@ -467,16 +474,17 @@ class SpeculativeDecoder:
         continuous: bool = True,
         on_finish: FinishCallback | None = None,
         on_tokens: TokensCallback | None = None,
+        arrivals: Sequence[float] | None = None,
     ) -> SpeculativeResult:
         """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``,
-        continuous batching included. A refill prefills the joining requests between rounds;
+        continuous batching and ``arrivals`` included. A refill prefills the joining requests between rounds;
         ``on_tokens`` gets each round's accepted drafts and target token at once."""
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [], [])
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous)
+                      continuous=continuous, arrivals=arrivals)
         batch = slots.rows
         self.rows.check_batch(batch)
         # Fitting the default cache refuses positions past the model's: a max_len given by hand
@@ -514,6 +522,8 @@ class SpeculativeDecoder:
                     completions.emit(row, [token], int(token) in requests.stop_ids)
             active = slots.active
             if not active.any():
+                if slots.wait_for_arrival():  # requests still to arrive: idle until the next
+                    continue
                 break
             t_draft = time.perf_counter()
             active_j = self.rows.on_rows(jnp.asarray(active))

@@ -9,7 +9,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from dspark_jax.config import output_file
 
@@ -57,6 +59,77 @@ def read_benchmark_prompts(directory, filenames, limit: int) -> list[list[str]]:
         return [read_prompts_jsonl(directory / name, limit) for name in filenames]
     except (OSError, ValueError) as error:
         raise SystemExit(f"--benchmarks: {error}") from None
+
+
+def interleaved_texts(directory, count: int) -> list[str]:
+    """``count`` first turns of the math, code and chat sets in ``--benchmarks directory``,
+    interleaved (math, code, chat, math, ...), so that every batch mixes domains."""
+    from dspark_jax.eval.compare import DOMAIN_FILES
+
+    per_domain = -(-count // len(DOMAIN_FILES))
+    lists = read_benchmark_prompts(directory, DOMAIN_FILES.values(), per_domain)
+    texts = [t for group in zip(*lists) for t in group][:count]
+    if len(texts) < count:
+        raise SystemExit(f"--benchmarks {directory}: {count} prompts needed, {len(texts)} found")
+    return texts
+
+
+def policy_decoders(target, drafter_spec: str, policies: dict, *, batches: Sequence[int], max_len: int) -> dict:
+    """One speculative decoder for ``--drafter drafter_spec`` per ``--policy`` (``policies``: text
+    -> ``cli.parse_policy_arg(text)``, parsed before the target loads), by text.
+
+    A policy the drafter cannot run is a one-line exit (``cli.load_drafter_arg``); a scheduler
+    without a cost table is profiled here at every B of ``batches`` on ``max_len`` slots (the
+    cache decoding uses), once, so that schedulers compared side by side weigh the same costs.
+    Every decoder must reserve γ + 1 slots for its widest verify, so that one cache length
+    serves them all (and target-only too: a step attends over the whole cache, so a shorter one
+    would make its steps cheaper than the rounds')."""
+    import dataclasses
+    import sys
+
+    from dspark_jax.cli import load_drafter_arg
+    from dspark_jax.eval.compare import make_decoder
+    from dspark_jax.scheduler.prefix import SchedulerPolicy
+
+    decoders, costs = {}, None
+    for text, policy in policies.items():
+        _, drafter, chosen, note = load_drafter_arg(drafter_spec, target, policy)
+        if note:
+            print(f"note: {text}: {note}", file=sys.stderr)
+        if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and costs is not None:
+            chosen = dataclasses.replace(chosen, costs=costs)
+        decoders[text] = make_decoder(target, drafter, chosen, profile_batches=batches, profile_max_len=max_len)
+        if isinstance(decoders[text].policy, SchedulerPolicy):
+            costs = costs or decoders[text].policy.costs
+        if decoders[text].slack != drafter.cfg.block_size + 1:
+            raise SystemExit(f"--policy {text}: verifies up to {decoders[text].slack} tokens a row, "
+                             f"not γ + 1 = {drafter.cfg.block_size + 1}")
+    return decoders
+
+
+class PolicyBench(NamedTuple):
+    target: Any
+    tokenizer: Any
+    prompts: list[list[int]]  # chat-templated token ids
+    max_len: int  # the cache length every decoder runs with
+    decoders: dict  # --policy text -> SpeculativeDecoder
+
+
+def policy_bench(texts: Sequence[str], drafter_spec: str, policies: dict, *, batches: Sequence[int],
+                 max_new_tokens: int) -> PolicyBench:
+    """The embedded target, ``texts`` as chat-templated prompts, the one cache length for them
+    (longest prompt + ``max_new_tokens`` + the drafter's γ + 1) and ``policy_decoders`` on it."""
+    from dspark_jax.checkpoints.drafter import read_drafter_config
+    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.decoding.autoregressive import cache_len
+    from dspark_jax.drafters import resolve_drafter
+
+    target, tokenizer = load_embedded_target()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    slack = read_drafter_config(resolve_drafter(drafter_spec)[1])[0].block_size + 1
+    max_len = cache_len([len(p) for p in prompts], max_new_tokens, target.cfg.max_position_embeddings, slack)
+    return PolicyBench(target, tokenizer, prompts, max_len,
+                       policy_decoders(target, drafter_spec, policies, batches=batches, max_len=max_len))
 
 
 def machine_info() -> dict:
