@@ -201,6 +201,7 @@ def cmd_batch(args) -> int:
         if not own_requests:
             raise ValueError(f"{len(requests)} requests cannot keep {processes} processes busy: run fewer processes")
         stops = tokenizer.stop_ids
+        longest = max(r.limit(args.max_new_tokens) for r in own_requests)  # new tokens the cache is sized for
         costs = None
         if args.drafter is not None:
             from dspark_jax.eval.compare import decoding_cache_len, make_decoder
@@ -213,8 +214,7 @@ def cmd_batch(args) -> int:
                 policy = policy.with_tables(own_job.scheduler_costs)
             runner = make_decoder(
                 target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
-                profile_max_len=decoding_cache_len(target, drafter, [len(r.ids) for r in own_requests],
-                                                   args.max_new_tokens))
+                profile_max_len=decoding_cache_len(target, drafter, [len(r.ids) for r in own_requests], longest))
             if isinstance(runner.policy, SchedulerPolicy):
                 costs = {b: dict(table) for b, table in runner.policy.costs}
                 if args.batch_size not in costs:
@@ -228,7 +228,7 @@ def cmd_batch(args) -> int:
         batching = "fixed batches" if args.fixed_batches else "continuous batching"
         share = "" if processes == 1 else f" (process {process} of {processes}: {len(own_requests)} of them)"
         print(f"{len(requests)} requests from {args.input}{share}, {batching} of {args.batch_size} rows{devices}; "
-              f"drafter {described}; up to {args.max_new_tokens} new tokens", file=sys.stderr)
+              f"drafter {described}; up to {longest} new tokens", file=sys.stderr)
         summary = own_job.run(own_requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
                               stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress and multihost.is_lead())
     resumed = f" ({summary['resumed']} already done)" if summary["resumed"] else ""
@@ -588,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--data-parallel", action="store_true",
                        help="split every batch over all of this host's devices (the batch size a multiple of their count)")
     batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')
-    batch.add_argument("--max-new-tokens", type=positive_int, default=256)
+    batch.add_argument("--max-new-tokens", type=positive_int, default=256,
+                       help='default 256; a request\'s own "max_new_tokens" wins')
     add_sampling_arguments(batch, "0 = greedy; a request's own value wins",
                            seed_help="request i samples with seed + i unless it gives its own")
     add_model_arguments(batch)

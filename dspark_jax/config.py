@@ -12,6 +12,7 @@ import math
 import numbers
 import operator
 import os
+import secrets
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,24 @@ def read_json(path, default: dict | None = None) -> dict:
     return value
 
 
+def partial_path(path: Path) -> Path:
+    """A temporary name beside ``path`` for writing it before renaming it into place: this
+    process's own (pid and a random token), so that two writers of one file never write into
+    each other's partial file; the last rename wins whole."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
 def write_json(path, value, **dumps_options) -> Path:
     """Write ``value`` as JSON to ``path`` whole or not at all (a temporary file renamed over it):
     a process killed mid-write leaves the earlier file, never half of a new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".tmp")
-    partial.write_text(json.dumps(value, **dumps_options) + "\n")
+    partial = partial_path(path)
+    try:
+        partial.write_text(json.dumps(value, **dumps_options) + "\n")
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
     return path
 

@@ -20,7 +20,7 @@ REQUESTS = [
                   {"role": "user", "content": "Name a primary colour."}]},
     {"turns": ["Write a haiku about the sea.", "Now a limerick."], "temperature": 1.0, "top_k": 20,
      "metadata": {"source": "test", "tags": [1, 2]}},
-    {"prompt": "def fib(n):", "seed": 42, "id": 7},
+    {"prompt": "def fib(n):", "seed": 42, "id": 7, "max_new_tokens": 3},
     {"prompt": "Give me three tips for studying.", "temperature": 0.7, "top_p": 0.8},
 ]
 
@@ -57,7 +57,8 @@ def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_sa
     assert [r.get("id") for r in got] == ["france", None, None, 7, None]
     assert got[2]["metadata"] == {"source": "test", "tags": [1, 2]}
     assert "Paris" in got[0]["completion"] and got[0]["finish_reason"] == "stop"
-    assert all(r["completion_tokens"] == 8 for r in got if r["finish_reason"] == "length")
+    assert all(r["completion_tokens"] == 8 for r in got if r["finish_reason"] == "length" and r["index"] != 3)
+    assert got[3]["completion_tokens"] == 3 and got[3]["finish_reason"] == "length"  # its own max_new_tokens
     tokenizer = shared_target[1]
     assert got[3]["prompt_tokens"] == len(tokenizer.encode("def fib(n):"))  # "prompt" is raw text without --chat
     assert got[0]["prompt_tokens"] == len(tokenizer.apply_chat_template([REQUESTS[0]["messages"][0]]))
@@ -123,6 +124,10 @@ def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_o
     ('{"prompt": "a", "seed": 18446744073709551616}', "'seed' must fit in a signed 64-bit integer"),
     ('{"prompt": "a", "seed": -9223372036854775809}', "'seed' must fit in a signed 64-bit integer"),
     ('{"prompt": "a", "id": [1]}', "'id' must be a string or an integer"),
+    ('{"prompt": "a", "max_new_tokens": 0}', "'max_new_tokens' must be an integer >= 1, got 0"),
+    ('{"prompt": "a", "max_new_tokens": "8"}', '\'max_new_tokens\' must be an integer >= 1, got "8"'),
+    ('{"prompt": "a", "max_new_tokens": 8.0}', "'max_new_tokens' must be an integer >= 1, got 8.0"),
+    ('{"prompt": "a", "max_new_tokens": true}', "'max_new_tokens' must be an integer >= 1, got true"),
     ('["a"]', "expected a JSON object, got list"),
     ("{prompt: a}", "not JSON"),
     ('{"prompt": "a", "metadata": {"score": NaN}}', "not JSON (NaN is not a JSON number)"),
@@ -233,9 +238,9 @@ class EchoRunner:
         return max(prompt_lens) + max_new_tokens
 
     def generate(self, prompts, *, max_new_tokens, on_finish, **unused):
-        for position, ids in enumerate(prompts):
+        for position, (ids, limit) in enumerate(zip(prompts, max_new_tokens)):  # a job passes one per request
             self.during(position)
-            on_finish(position, ids[:max_new_tokens], "length")
+            on_finish(position, ids[:limit], "length")
 
 
 # Raw in the output (json.dumps(..., ensure_ascii=False)), where str.splitlines would split lines.

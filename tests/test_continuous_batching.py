@@ -217,6 +217,30 @@ def test_requests_decode_from_their_arrival_on(tiny, make):
         runner.generate(prompts, arrivals=[0.0], batch_size=4, **kwargs)
 
 
+@pytest.mark.parametrize("make", [
+    lambda target, drafter: AutoregressiveGenerator(target),
+    lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
+], ids=["target-only", "speculative"])
+def test_each_request_stops_at_its_own_max_new_tokens(tiny, make):
+    """``max_new_tokens`` per request: each request's tokens are the first of those it gets with
+    the largest limit, cut at its own ("length"), or ending at its stop token within it ("stop")."""
+    target, drafter, prompts, sampling = tiny
+    runner = make(target, drafter)
+    kwargs = dict(sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48, batch_size=4)
+    longest = runner.generate(prompts, max_new_tokens=16, **kwargs)
+    limits = [1 + i % 5 * 3 for i in range(len(prompts))]  # 1, 4, 7, 10, 13, 1, ...
+    limited = runner.generate(prompts, max_new_tokens=limits, **kwargs)
+    for tokens, reason, full, full_reason, limit in zip(limited.tokens, limited.finish_reasons, longest.tokens,
+                                                        longest.finish_reasons, limits):
+        assert tokens == full[:limit]
+        assert reason == ("stop" if full_reason == "stop" and len(full) <= limit else "length")
+    assert {"stop", "length"} == set(limited.finish_reasons) and min(map(len, limited.tokens)) == 1
+    for bad, message in [(limits[:3], "got 3 max_new_tokens for 13 prompts"),
+                         ([0] + limits[1:], "per request must be >= 1"), ([1.5] * 13, "must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            runner.generate(prompts, max_new_tokens=bad, **kwargs)
+
+
 def test_bad_batch_sizes_are_refused(tiny):
     target, drafter, prompts, _ = tiny
     with pytest.raises(ValueError, match="at least one row"):

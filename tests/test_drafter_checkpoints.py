@@ -225,6 +225,28 @@ def test_a_save_killed_between_its_two_files_is_refused_on_load(tmp_path, monkey
     assert _same_weights(load_drafter(tmp_path), second)
 
 
+def test_two_saves_into_one_directory_write_their_own_partial_files(tmp_path, monkeypatch):
+    """Another save into the directory (a second training run, say) runs whole between this one's
+    writing and its renaming: each writes partial files of its own, so this one, renaming last,
+    is the checkpoint, whole. With one shared partial name the other save wrote into this one's
+    files and renamed them away under it."""
+    import dspark_jax.checkpoints.drafter as module
+
+    cfg = configs()["dspark"]
+    first, second = (build_drafter(cfg, seed=s, draft_vocab_ids=IDS) for s in (1, 2))
+    real_replace = module.os.replace
+
+    def the_other_save_first(src, dst):
+        monkeypatch.setattr(module.os, "replace", real_replace)
+        save_drafter(second, tmp_path)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(module.os, "replace", the_other_save_first)
+    save_drafter(first, tmp_path)
+    assert _same_weights(load_drafter(tmp_path), first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_weights_from_another_save_are_refused(tmp_path):
     """Two checkpoints of one architecture, config.json of one beside the weights of the other."""
     cfg = configs()["dflash"]

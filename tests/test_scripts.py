@@ -176,3 +176,11 @@ def test_write_json_replaces_the_file_whole(tmp_path):
     write_json(out, {"b": [1, 2]}, indent=1)
     assert json.loads(out.read_text()) == {"b": [1, 2]} and out.read_text().endswith("\n")
     assert [p.name for p in out.parent.iterdir()] == ["r.json"]  # no partial file left behind
+    # Another writer's partial file of the same JSON is not this one's to write into or rename.
+    from dspark_jax.config import partial_path
+
+    theirs = partial_path(out)
+    theirs.write_text("half of another process's")
+    write_json(out, {"c": 3})
+    assert json.loads(out.read_text()) == {"c": 3} and theirs.read_text() == "half of another process's"
+    assert partial_path(out) != partial_path(out)

@@ -30,7 +30,7 @@ import safetensors.numpy
 from flax import nnx
 
 from dspark_jax.checkpoints import save_safetensors
-from dspark_jax.config import DrafterConfig, TargetConfig
+from dspark_jax.config import DrafterConfig, TargetConfig, partial_path
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
 
@@ -112,7 +112,7 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_drafter: metadata must be JSON-serialisable ({error}); nothing was written") from error
     out.mkdir(parents=True, exist_ok=True)
-    partial = {name: out / f"{name}.tmp" for name in (WEIGHTS_FILE, CONFIG_FILE)}
+    partial = {name: partial_path(out / name) for name in (WEIGHTS_FILE, CONFIG_FILE)}
     try:
         save_safetensors(tensors, partial[WEIGHTS_FILE], metadata={WEIGHTS_ID: weights_id})
         partial[CONFIG_FILE].write_text(config_text)

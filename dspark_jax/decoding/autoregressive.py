@@ -104,8 +104,13 @@ class Requests:
     padded_BxP: np.ndarray  # int32, prompt length bucketed (few prefill shapes)
     params: SamplingParams
     keys_B: jax.Array
-    max_new_tokens: int
+    limits: list[int]  # each request's max_new_tokens
     stop_ids: frozenset[int]
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The largest request's: what the cache is sized for."""
+        return max(self.limits)
 
     @property
     def batch(self) -> int:
@@ -144,15 +149,24 @@ def prepare_requests(
 ) -> Requests:
     """Validate a generate() call's per-request arguments (shared by all decoders).
 
-    ``sampling`` is one config for all or one per request (default greedy); ``seeds`` one int per
-    request, or one int from which request ``i`` uses ``seed + i``; ``stop_ids`` any number of
-    token ids. Ints may be numpy integers; a float, bool or str is refused, never truncated.
+    ``max_new_tokens`` is one int >= 0 for all, or one int >= 1 per request; ``sampling`` one
+    config for all or one per request (default greedy); ``seeds`` one int per request, or one int
+    from which request ``i`` uses ``seed + i``; ``stop_ids`` any number of token ids. Ints may be
+    numpy integers; a float, bool or str is refused, never truncated.
     """
     checked = validate_prompts(prompts, vocab_size)
     batch = len(checked)
-    max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, Iterable):
+        limits = list(as_ints(max_new_tokens, "max_new_tokens"))
+        if len(limits) != batch:
+            raise ValueError(f"got {len(limits)} max_new_tokens for {batch} prompts")
+        if min(limits) < 1:  # a request is prefilled to its first token before its limit is looked at
+            raise ValueError(f"max_new_tokens per request must be >= 1 (an int 0 for all returns empty completions), "
+                             f"got {min(limits)} for request {limits.index(min(limits))}")
+    else:
+        limits = [as_int(max_new_tokens, "max_new_tokens")] * batch
+        if limits[0] < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {limits[0]}")
     sampling = SamplingConfig() if sampling is None else sampling
     if isinstance(sampling, SamplingConfig):
         configs = [sampling] * batch
@@ -178,7 +192,7 @@ def prepare_requests(
     for row, prompt in enumerate(checked):
         padded[row, : len(prompt)] = prompt
     return Requests(checked, lens, padded, SamplingParams.from_configs(configs), request_keys(seed_list),
-                    max_new_tokens, stops)
+                    limits, stops)
 
 
 class AutoregressiveGenerator:
@@ -297,7 +311,7 @@ class AutoregressiveGenerator:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
         seeds: Sequence[int] | int = 0,
         stop_ids: Sequence[int] = (),
@@ -311,7 +325,8 @@ class AutoregressiveGenerator:
     ) -> GenerationResult:
         """Generate for token-id prompts.
 
-        ``max_new_tokens=0`` returns empty completions without running the model. ``seeds`` is one
+        ``max_new_tokens`` is one int for all or one per request (the cache is sized for the
+        largest); ``max_new_tokens=0`` returns empty completions without running the model. ``seeds`` is one
         int per request (or one int, request ``i`` then using ``seed + i``). ``stop_ids``: any number
         of token ids that end a request. ``max_len`` fixes the cache length (default: the longest
         prompt + max_new_tokens rounded up to a multiple of 128); either way prompt + max_new_tokens
@@ -341,7 +356,7 @@ class AutoregressiveGenerator:
         # must not skip that.
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
         max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
-        completions = Completions(slots, count, requests.max_new_tokens, on_finish, on_tokens)
+        completions = Completions(slots, requests.limits, on_finish, on_tokens)
         out = completions.tokens
         # Taps per request: the prompt's from prefill, then each generated token's from the step
         # that feeds it. A finished request's last token is fed by the step after it finishes (its

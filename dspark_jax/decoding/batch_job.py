@@ -5,8 +5,8 @@ Input: one JSON object per line, with exactly one of
   ``"messages"``  a chat, ``[{"role": ..., "content": ...}, ...]``, through the chat template,
   ``"turns"``     a list of user turns, of which the first is asked (the benchmark files' form),
 and optionally ``"id"`` (a string or int, unique in the file), ``"temperature"``, ``"top_k"``,
-``"top_p"`` and ``"seed"`` (this request's sampling, instead of the job's), and ``"metadata"``
-(anything; copied to the output). Any other key is an error, so that a misspelt option is not
+``"top_p"``, ``"seed"`` and ``"max_new_tokens"`` (this request's sampling and length limit,
+instead of the job's), and ``"metadata"`` (anything; copied to the output). Any other key is an error, so that a misspelt option is not
 silently ignored.
 
 Output: one line per request, in input order: ``{"index", "id"?, "completion", "finish_reason",
@@ -58,7 +58,7 @@ from dspark_jax.sampling import seed_fits
 FORMAT = "dspark-jax-batch-job"
 VERSION = 1
 PROMPT_KEYS = ("prompt", "messages", "turns")
-OPTIONAL_KEYS = ("id", "temperature", "top_k", "top_p", "seed", "metadata")
+OPTIONAL_KEYS = ("id", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "metadata")
 # A request's own sampling, and its type: JSON numbers only, so that neither true nor "0.5"
 # passes for one (nor 20.0 for a top-k).
 SAMPLING_KEYS = {"temperature": float, "top_k": int, "top_p": float}
@@ -72,6 +72,11 @@ class Request:
     sampling: SamplingConfig
     seed: int
     metadata: object = None
+    max_new_tokens: int | None = None  # None: the job's
+
+    def limit(self, job_max_new_tokens: int) -> int:
+        """This request's max_new_tokens: its own, or the job's."""
+        return job_max_new_tokens if self.max_new_tokens is None else self.max_new_tokens
 
 
 def _prompt_ids(record: dict, where: str, tokenizer, chat: bool) -> list[int]:
@@ -192,10 +197,13 @@ def read_requests(path, tokenizer, *, chat: bool = False, sampling: SamplingConf
         if not seed_fits(request_seed):
             given = "'seed'" if "seed" in record else f"the job's seed {seed} + {len(requests)} (this request's index)"
             raise ValueError(f"{where}: {given} must fit in a signed 64-bit integer")
+        limit = record.get("max_new_tokens")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{where}: 'max_new_tokens' must be an integer >= 1, got {json.dumps(limit)}")
         ids = _prompt_ids(record, where, tokenizer, chat)
         if not ids:
             raise ValueError(f"{where}: the prompt has no tokens")
-        requests.append(Request(len(requests), request_id, ids, own, request_seed, record.get("metadata")))
+        requests.append(Request(len(requests), request_id, ids, own, request_seed, record.get("metadata"), limit))
     if not requests:
         raise ValueError(f"{path} holds no requests")
     return requests
@@ -347,20 +355,23 @@ class BatchJob:
             stop_ids: Sequence[int], scheduler_costs: dict | None = None, progress: bool = True) -> dict:
         """Generate every request not yet in the output with ``runner`` (an ``AutoregressiveGenerator``
         or ``SpeculativeDecoder``); returns a summary of this run. Every request must fit the target
-        with ``max_new_tokens`` new tokens: that is checked for all of them before anything runs.
-        ``scheduler_costs`` (the scheduler policy's table, if any) goes into the manifest.
+        with its new tokens (its own ``max_new_tokens``, or the job's): that is checked for all of
+        them before anything runs. ``scheduler_costs`` (the scheduler policy's table, if any) goes
+        into the manifest.
         """
         from tqdm import tqdm
 
         runner.rows.check_batch(self.batch_size)
-        for request in requests:
+        limits = [r.limit(max_new_tokens) for r in requests]
+        cache_lens = []
+        for request, limit in zip(requests, limits):
             try:
-                runner.cache_len_for([len(request.ids)], max_new_tokens)
+                cache_lens.append(runner.cache_len_for([len(request.ids)], limit))
             except ValueError as error:
                 name = f" (id {request.id!r})" if request.id is not None else ""
                 raise ValueError(f"request {request.index}{name}: {error}") from None
         # One cache length for the whole job, resumed or not (it is part of every compiled shape).
-        max_len = runner.cache_len_for([len(r.ids) for r in requests], max_new_tokens)
+        max_len = max(cache_lens)
         with self.hold():
             if self.started is None and self.manifest_path.exists():
                 raise ValueError(f"{self.output} was started by another job since this one was opened; "
@@ -404,7 +415,7 @@ class BatchJob:
                         bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
 
                 result = None if not todo else runner.generate(
-                    [r.ids for r in todo], max_new_tokens=max_new_tokens, sampling=[r.sampling for r in todo],
+                    [r.ids for r in todo], max_new_tokens=limits[first:], sampling=[r.sampling for r in todo],
                     seeds=[r.seed for r in todo], stop_ids=stop_ids, max_len=max_len, batch_size=self.batch_size,
                     continuous=self.continuous, on_finish=on_finish,
                 )

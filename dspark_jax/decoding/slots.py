@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -132,27 +132,27 @@ def checked_arrivals(arrivals: Collection[float], num_requests: int) -> np.ndarr
 class Completions:
     """Each request's tokens so far and finish reason. ``emit`` adds a row's new tokens to its
     request (reported to ``on_tokens(index, new_tokens)``) and, once that request is done (a stop
-    token, or ``max_new_tokens``), frees the row and reports it to ``on_finish(index, tokens,
-    reason)``."""
+    token, or its ``limits`` entry: its max_new_tokens), frees the row and reports it to
+    ``on_finish(index, tokens, reason)``."""
 
-    def __init__(self, slots: Slots, count: int, max_new_tokens: int, on_finish: Callable | None,
+    def __init__(self, slots: Slots, limits: Sequence[int], on_finish: Callable | None,
                  on_tokens: Callable | None = None):
-        self.slots, self.max_new_tokens, self.on_finish, self.on_tokens = slots, max_new_tokens, on_finish, on_tokens
-        self.tokens: list[list[int]] = [[] for _ in range(count)]
-        self.reasons = ["length"] * count
+        self.slots, self.limits, self.on_finish, self.on_tokens = slots, limits, on_finish, on_tokens
+        self.tokens: list[list[int]] = [[] for _ in limits]
+        self.reasons = ["length"] * len(limits)
 
     def emit(self, row: int, tokens, stopped: bool) -> None:
         """``tokens`` (ending in a stop token if ``stopped``) committed for row ``row``'s request."""
         request = int(self.slots.request_of[row])
-        out = self.tokens[request]
-        room = self.max_new_tokens - len(out)
+        out, limit = self.tokens[request], self.limits[request]
+        room = limit - len(out)
         added = [int(t) for t in tokens[:room]]
         out.extend(added)
         if added and self.on_tokens is not None:
             self.on_tokens(request, added)
         if stopped and len(tokens) <= room:
             self.reasons[request] = "stop"
-        elif len(out) < self.max_new_tokens:
+        elif len(out) < limit:
             return
         self.slots.release(row)
         if self.on_finish is not None:

@@ -465,7 +465,7 @@ class SpeculativeDecoder:
         self,
         prompts: Sequence[Sequence[int]],
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         sampling: SamplingConfig | Sequence[SamplingConfig] | None = None,
         seeds: Sequence[int] | int = 0,
         stop_ids: Sequence[int] = (),
@@ -492,7 +492,7 @@ class SpeculativeDecoder:
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
         max_len = fitted if max_len is None else requests.check_fits(max_len, self.slack)
         stops = stop_id_array(requests.stop_ids)
-        completions = Completions(slots, count, requests.max_new_tokens, on_finish, on_tokens)
+        completions = Completions(slots, requests.limits, on_finish, on_tokens)
 
         accepted_log, committed_log, lengths_log, confidence_log, widths = [], [], [], [], []
         prefill_s = decode_s = draft_s = verify_s = 0.0

@@ -120,12 +120,12 @@ def warm_up(decoder, prompts: Sequence[Sequence[int]], *, batch_size: int, max_l
     return time.perf_counter() - start
 
 
-def serve(decoder, prompts: Sequence[Sequence[int]], arrivals: Sequence[float], *, max_new_tokens: int,
+def serve(decoder, prompts: Sequence[Sequence[int]], arrivals: Sequence[float], *, max_new_tokens: int | Sequence[int],
           batch_size: int, clock=time.perf_counter, **generate_kwargs) -> ServingRun:
     """``decoder.generate`` on requests arriving at ``arrivals`` (seconds from now), at most
     ``batch_size`` decoding at once; every request timed. ``generate_kwargs`` (sampling, seeds,
     stop_ids, max_len) go to ``generate``; time a warm decoder (``warm_up``)."""
-    if max_new_tokens < 1:
+    if np.min(max_new_tokens) < 1:
         raise ValueError(f"serving times each request's tokens: max_new_tokens must be >= 1, got {max_new_tokens}")
     count = len(prompts)
     first, finish = np.full(count, np.nan), np.full(count, np.nan)
