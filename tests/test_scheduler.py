@@ -306,14 +306,22 @@ def real(embedded_target):
     return target, random_drafter(target.cfg, 7), prompts, reference
 
 
+@pytest.fixture(scope="module")
+def real_decoder(real):
+    """One decoder for the scheduler variants below: ``with_policy`` shares its compiled prefill
+    and verify programs, so each variant compiles only its draft step."""
+    target, drafter, _, _ = real
+    return SpeculativeDecoder(target, drafter)
+
+
 @pytest.mark.parametrize("plan_ahead", [False, True], ids=["algorithm-1", "ahead"])
-def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real, plan_ahead):
+def test_decoder_with_the_scheduler_is_exact_and_compiles_once(real, real_decoder, plan_ahead):
     """A synthetic cost table (so the test does not hang on timing): lengths vary with the
     drafter's confidences, greedy output equals target-only, nothing compiles after warm-up
     (a planned floor is data, not a shape)."""
     target, drafter, prompts, reference = real
     costs = {len(prompts): {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1}, 1: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0}}
-    decoder = SpeculativeDecoder(target, drafter, policy=SchedulerPolicy.from_tables(costs, plan_ahead=plan_ahead))
+    decoder = real_decoder.with_policy(SchedulerPolicy.from_tables(costs, plan_ahead=plan_ahead))
     decoder.warmup(len(prompts), max(len(p) for p in prompts), 256)
     decoder.warmup(1, len(prompts[2]), 256)
     with count_compilations() as counter:
