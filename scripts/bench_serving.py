@@ -211,9 +211,8 @@ def main(argv=None) -> int:
                      "batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                      "greedy": True, "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "arrivals_s": {rate: times.tolist() for rate, times in arrivals.items()},
-        "policies": {n: policy_text(d.policy) for n, d in decoders.items() if n != TARGET_ONLY},
-        "scheduler_tables": {n: policy_summary(d.policy) for n, d in decoders.items()
-                             if hasattr(getattr(d, "policy", None), "costs")},
+        "policies": {n: policy_text(d.policy) for n, d in speculative.items()},
+        "scheduler_tables": {n: policy_summary(d.policy) for n, d in speculative.items() if hasattr(d.policy, "costs")},
         "compile_s": compile_s,
         "compiles_while_timing": compiled.count,
         "runs": summaries,

@@ -50,7 +50,8 @@ class Slots:
 
     ``arrivals``: per request, the seconds after this object is made at which it arrives (default:
     all at once). Requests are taken in order of arrival (ties in index order), each only once
-    ``clock()`` has reached its arrival; ``sleep`` waits for one (both replaceable for tests).
+    ``clock()`` has reached its arrival (a fixed batch then takes those that have, up to
+    ``rows``); ``sleep`` waits for one (both replaceable for tests).
     """
 
     def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True,

@@ -3,11 +3,11 @@
 A decoder serves requests by continuous batching (``decoding.slots``): at most ``batch_size``
 rows decode together, and a request takes a free row once it has arrived
 (``generate(arrivals=...)``). ``poisson_arrivals`` draws the arrival times of an open workload
-(a Poisson process: exponential gaps at a mean rate), ``serve`` runs one decoder on it and times
-each request from its arrival (after ``warm_up`` has compiled what it takes), and ``pareto_front`` keeps the runs of a sweep (arrival rates ×
-batch sizes × policies) that no other run beats on both aggregate throughput and per-user speed:
-the trade-off DSpark's scheduler is meant to move (paper §6.7; vLLM's adaptive-verification
-benchmarks sweep concurrency the same way).
+(a Poisson process: exponential gaps at a mean rate), ``warm_up`` compiles what serving it takes,
+``serve`` runs one decoder on it and times each request from its arrival, and ``pareto_front``
+keeps the runs of a sweep (arrival rates × batch sizes × policies) that no other run beats on
+both aggregate throughput and per-user speed: the trade-off DSpark's scheduler is meant to move
+(paper §6.7; vLLM's adaptive-verification benchmarks sweep concurrency the same way).
 
 Times are wall-clock seconds from the start of ``serve``, measured on the host as the decoder
 commits tokens (``on_tokens`` / ``on_finish``), so they include prefill, queueing for a row and
