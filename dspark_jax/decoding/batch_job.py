@@ -6,8 +6,8 @@ Input: one JSON object per line, with exactly one of
   ``"turns"``     a list of user turns, of which the first is asked (the benchmark files' form),
 and optionally ``"id"`` (a string or int, unique in the file), ``"temperature"``, ``"top_k"``,
 ``"top_p"``, ``"seed"`` and ``"max_new_tokens"`` (this request's sampling and length limit,
-instead of the job's), and ``"metadata"`` (anything; copied to the output). Any other key is an error, so that a misspelt option is not
-silently ignored.
+instead of the job's), and ``"metadata"`` (anything; copied to the output). Any other key is an
+error, so that a misspelt option is not silently ignored.
 
 Output: one line per request, in input order: ``{"index", "id"?, "completion", "finish_reason",
 "prompt_tokens", "completion_tokens", "metadata"?}``.
