@@ -11,9 +11,11 @@ greedy:
   (``inf``: all at the start, a closed batch); every decoder gets the same arrival times
   (``--seed``);
 - at most B decode together, for each B of ``--batch-sizes`` (continuous batching: a request
-  takes a row as one frees up, ``engine.load.serve``);
+  takes a row as one frees up, ``engine.load.serve``); each B > 1 also with batch buckets
+  ("B=4 buckets": each step runs at the smallest of 1, 2, 4 rows that holds the requests in
+  flight; ``--no-buckets`` skips these runs);
 - decoders: target-only and each ``--policy`` (default ``fixed:7`` and ``scheduler``, whose cost
-  table is profiled at every B on the cache serving uses); every program is compiled before
+  table is profiled at every batch size the runs take on the cache serving uses); every program is compiled before
   timing (``engine.load.warm_up``) and compilations while timing are counted; runs alternate
   between decoders at each (B, rate), so a burst of load from other processes hits all alike;
 - per run: throughput (tokens/s over the run), per-user speed (the median request's 1 / TPOT),
@@ -81,6 +83,7 @@ def parse_args(argv):
     ap.add_argument("--batch-sizes", type=positive_int, nargs="+", default=None,
                     help="rows decoding at once (default 1 4; --quick: 2)")
     ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 64 (--quick: 12)")
+    ap.add_argument("--no-buckets", action="store_true", help="skip the runs with batch buckets")
     ap.add_argument("--seed", type=int, default=0, help="arrival times")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=json_output_with_plot, default=str(REPO_ROOT / "docs" / "serving" / "bench_serving.json"),
@@ -152,6 +155,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from dspark_jax.cli import check_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+    from dspark_jax.decoding.slots import refill_sizes
     from dspark_jax.diagnostics import count_compilations
     from dspark_jax.engine.load import poisson_arrivals, serve, warm_up
     from dspark_jax.eval.bench import machine_info
@@ -162,32 +166,36 @@ def main(argv=None) -> int:
     check_drafter_arg(args.drafter)
     texts = interleaved_texts(args.benchmarks, args.requests)
     started, load_start = time.time(), os.getloadavg()
+    # Each B as is, and (B > 1) with batch buckets: (label, B, batch_buckets).
+    batchings = [(f"B={b}{' buckets' if buckets else ''}", b, buckets) for b in args.batch_sizes
+                 for buckets in (False, True) if not buckets or (b > 1 and not args.no_buckets)]
+    profile_batches = sorted({size for _, b, buckets in batchings for size in (refill_sizes(b) if buckets else [b])})
     # One cache length for every decoder, target-only too (eval.bench.policy_decoders).
     target, tokenizer, prompts, max_len, speculative = policy_bench(
-        texts, args.drafter, policies, batches=args.batch_sizes, max_new_tokens=args.max_new_tokens)
+        texts, args.drafter, policies, batches=profile_batches, max_new_tokens=args.max_new_tokens)
     stops = tokenizer.stop_ids
     decoders = {TARGET_ONLY: AutoregressiveGenerator(target), **speculative}
 
-    compile_s = sum(warm_up(decoder, prompts, batch_size=b, max_len=max_len)
-                    for b in args.batch_sizes for decoder in decoders.values())
+    compile_s = sum(warm_up(decoder, prompts, batch_size=b, max_len=max_len, batch_buckets=buckets)
+                    for _, b, buckets in batchings for decoder in decoders.values())
     print(f"compiled and warmed up in {compile_s:.0f} s", file=sys.stderr)
 
     arrivals = {rate_name(rate): poisson_arrivals(len(prompts), rate, seed=args.seed) for rate in args.rates}
-    summaries = {name: {f"B={b}": {} for b in args.batch_sizes} for name in decoders}
+    summaries = {name: {label: {} for label, _, _ in batchings} for name in decoders}
     identical = {name: True for name in decoders if name != TARGET_ONLY}
     with count_compilations() as compiled:
-        for b in args.batch_sizes:
+        for label, b, buckets in batchings:
             for rate, times in arrivals.items():
                 base = None
                 for name, decoder in decoders.items():
                     run = serve(decoder, prompts, times, max_new_tokens=args.max_new_tokens, batch_size=b,
-                                stop_ids=stops, max_len=max_len)
-                    summaries[name][f"B={b}"][rate] = s = run.summary()
+                                batch_buckets=buckets, stop_ids=stops, max_len=max_len)
+                    summaries[name][label][rate] = s = run.summary()
                     if base is None:
                         base = run.result.tokens
                     else:
                         identical[name] &= run.result.tokens == base
-                    print(f"B={b} rate {rate}: {name:12s} {s['throughput']:6.1f} tok/s, per user "
+                    print(f"{label} rate {rate}: {name:12s} {s['throughput']:6.1f} tok/s, per user "
                           f"{s['per_user_tokens_per_s']:5.1f} tok/s, latency p90 {s['latency_s']['p90']:6.2f} s"
                           + (f", tau {s['tau']:.2f}" if "tau" in s else ""), file=sys.stderr, flush=True)
     if compiled.count:
@@ -208,7 +216,8 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "load_avg_start": load_start,
         "settings": {"drafter": args.drafter, "requests": len(prompts), "rates": list(arrivals),
-                     "batch_sizes": args.batch_sizes, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                     "batch_sizes": args.batch_sizes, "batch_buckets": not args.no_buckets,
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                      "greedy": True, "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "arrivals_s": {rate: times.tolist() for rate, times in arrivals.items()},
         "policies": {n: policy_text(d.policy) for n, d in speculative.items()},

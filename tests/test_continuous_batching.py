@@ -13,6 +13,7 @@ from dspark_jax.decoding.slots import IDLE, Slots, row_axes
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder, ThresholdPolicy
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
+from dspark_jax.scheduler.prefix import PLAIN, SchedulerPolicy
 from dspark_jax.training.target_cache import CacheSpec, TargetCacheWriter
 from tests.refills import counting_refills
 from tests.stored_arrays import assert_same_stored_arrays
@@ -106,6 +107,45 @@ def test_slots_take_requests_in_order_of_arrival_once_arrived():
             Slots(4, rows=2, arrivals=arrivals)
 
 
+def test_bucketed_slots_run_at_the_smallest_size_holding_the_rows_in_flight():
+    """With ``buckets`` the batch grows when requests join (the busy rows kept first, in order),
+    shrinks once the busy rows fit a smaller size, and keeps a held row (owed a tap) with its
+    place in ``keep``; without, it never resizes."""
+    clock = FakeClock()
+    slots = Slots(6, rows=4, arrivals=[0, 1, 1, 2, 2, 2], clock=clock, sleep=clock.sleep, buckets=True)
+    assert slots.live == 0
+    first = slots.refill()  # one request: a batch of one row
+    assert first.whole and first.size == 1 and slots.live == 1 and first.keep is None
+    clock.now += 1.0
+    grown = slots.refill()  # two join the one in flight: four rows, the busy one first
+    assert not grown.whole and list(grown.keep) == [0, 0, 0, 0] and slots.live == 4
+    assert list(grown.rows) == [1, 2] and grown.size == 2 and list(slots.request_of) == [0, 1, 2, IDLE]
+    assert slots.shrink() is None  # three in flight need four rows
+    slots.release(0)
+    assert list(slots.shrink()) == [1, 2] and list(slots.request_of) == [1, 2]
+    slots.release(0)
+    assert list(slots.shrink()) == [1] and list(slots.request_of) == [2] and slots.shrink() is None
+    clock.now += 1.0
+    joined = slots.refill()  # three join one: four rows, a refill prefilled as four
+    assert list(joined.keep) == [0, 0, 0, 0] and list(joined.rows) == [1, 2, 3] and joined.size == 4
+    slots.release(2)
+    slots.release(3)
+    assert slots.shrink(held=[2]) is None  # the held row counts as busy: three rows need four
+    slots.release(0)
+    keep = slots.shrink(held=[2])  # row 1 in flight and held row 2: two rows, the held one at 1
+    assert list(keep) == [1, 2] and list(slots.request_of) == [3, IDLE]
+    slots.release(0)
+    assert slots.shrink() is None and slots.refill() is None  # nothing busy, nothing waiting: left as is
+    fixed = Slots(3, rows=4, buckets=True, continuous=False)
+    assert fixed.refill().size == 4 and fixed.live == 4  # three requests: the size holding them
+    plain = Slots(3, rows=4)
+    assert plain.refill().size == 4 and plain.live == 4
+    plain.release(0)
+    plain.release(1)
+    assert plain.shrink() is None
+    assert Slots(1, rows=16, devices=4, buckets=True).refill().size == 4  # a multiple of the devices
+
+
 def test_the_batch_axis_of_every_state_leaf_is_found():
     import jax.numpy as jnp
 
@@ -148,17 +188,41 @@ def test_continuous_batching_generates_what_one_batch_does(tiny, make):
     assert getattr(continuous, steps) < getattr(fixed, steps)
 
 
-@pytest.mark.parametrize("policy", [ThresholdPolicy(0.5), FixedPolicy(0)], ids=["threshold", "plain-rounds"])
-def test_continuous_greedy_speculative_decoding_is_the_targets_greedy_decoding(tiny, policy):
+# Cheap plain rounds: this random drafter's drafts rarely pay, so the scheduler mostly skips them.
+PLAIN_SCHEDULER = SchedulerPolicy.from_tables({b: {PLAIN: 0.5, 1: 1.0, 2: 1.02, 4: 1.05} for b in (1, 2, 4)})
+
+
+@pytest.mark.parametrize("policy, buckets", [(ThresholdPolicy(0.5), False), (FixedPolicy(0), False),
+                                             (PLAIN_SCHEDULER, True)],
+                         ids=["threshold", "plain-rounds", "scheduler-buckets"])
+def test_continuous_greedy_speculative_decoding_is_the_targets_greedy_decoding(tiny, policy, buckets):
     """Under a policy whose lengths weigh the rows in flight (threshold) or that runs plain rounds
-    (fixed:0 reuses the last block), refills keep greedy output equal to target-only decoding."""
+    (fixed:0 and the scheduler reuse the last block), refills keep greedy output equal to
+    target-only decoding; so do resizes (``batch_buckets``: the round after one drafts), requests
+    arriving in three waves among them, each wave refilling an empty batch at another size, and
+    nothing compiles after ``warmup(buckets=True)``. A scheduler without a cost table for every size the batch may take is refused at the start."""
     target, drafter, prompts, _ = tiny
-    kwargs = dict(max_new_tokens=16, stop_ids=[STOP], max_len=48)
+    limits = [16 - i for i in range(len(prompts))]  # the last requests finish one by one
+    kwargs = dict(max_new_tokens=limits, stop_ids=[STOP], max_len=48)
     reference = AutoregressiveGenerator(target).generate(prompts, **kwargs)
     decoder = SpeculativeDecoder(target, drafter, policy=policy)
     inserts = counting_refills(decoder)
-    result = decoder.generate(prompts, batch_size=4, **kwargs)
+    arrivals = None
+    if buckets:  # compiled first, so that each wave finishes before the next arrives
+        for length in (2, 11):
+            decoder.warmup(4, length, 48, refills=True, buckets=True)
+        arrivals = [0.0] * 8 + [0.3] * 4 + [0.6]
+    with count_compilations() as compiled:
+        result = decoder.generate(prompts, batch_size=4, batch_buckets=buckets, arrivals=arrivals, **kwargs)
     assert result.tokens == reference.tokens and inserts
+    assert (min(result.rows_per_round) < 4) == buckets
+    if buckets:
+        assert compiled.count == 0
+    if isinstance(policy, SchedulerPolicy):
+        assert 0 < result.plain_rounds < result.rounds
+        only_4 = decoder.with_policy(SchedulerPolicy.from_tables({4: dict(dict(policy.costs)[4])}))
+        with pytest.raises(ValueError, match="no batch size 1, 2 "):
+            only_4.generate(prompts, batch_size=4, batch_buckets=True, **kwargs)
 
 
 @pytest.mark.parametrize("make", [
@@ -186,33 +250,37 @@ def test_a_prompt_padded_past_its_cache_is_prefilled_within_it(tiny, make):
     assert result.tokens == wide
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["rows", "buckets"])
 @pytest.mark.parametrize("make", [
     lambda target, drafter: AutoregressiveGenerator(target),
     lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
 ], ids=["target-only", "speculative"])
-def test_requests_decode_from_their_arrival_on(tiny, make):
+def test_requests_decode_from_their_arrival_on(tiny, make, buckets):
     """Online serving (``arrivals``): no request gets a token before it arrives, they join in order
     of arrival (request 0 comes last), a batch with nothing in flight waits for the next arrival
     instead of ending, and each request's tokens are those it gets when all arrive at once. A
-    warm-up with ``refills`` compiled every program serving takes."""
+    warm-up with ``refills`` compiled every program serving takes. With ``batch_buckets`` the
+    batch runs at 4 rows while the first wave decodes and at 1 for request 0 alone."""
     target, drafter, prompts, sampling = tiny
     runner = make(target, drafter)
     kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
     at_once = runner.generate(prompts, **kwargs)  # one batch of 13: no refill
     for length in (2, 11):  # the two prompt widths these prompts pad to (16 and 32 columns)
-        runner.warmup(4, length, 48, refills=True)
+        runner.warmup(4, length, 48, refills=True, buckets=buckets)
     # Eight at the start, four at 0.3 s, request 0 at 0.6 s: 4 rows of this target finish each wave
     # in milliseconds, so the batch runs dry twice.
     arrivals = [0.6] + [0.0] * 8 + [0.3] * 4
     first = {}
     start = time.perf_counter()
     with count_compilations() as compiled:
-        served = runner.generate(prompts, arrivals=arrivals, batch_size=4,
+        served = runner.generate(prompts, arrivals=arrivals, batch_size=4, batch_buckets=buckets,
                                  on_tokens=lambda i, tokens: first.setdefault(i, time.perf_counter() - start), **kwargs)
     assert compiled.count == 0
     assert served.tokens == at_once.tokens and served.finish_reasons == at_once.finish_reasons
     assert all(first[i] >= arrivals[i] for i in range(len(prompts))), (first, arrivals)
     assert first[0] > max(first[i] for i in range(1, len(prompts)))
+    rows = getattr(served, "rows_per_step" if isinstance(runner, AutoregressiveGenerator) else "rows_per_round")
+    assert (rows[0], rows[-1]) == ((4, 1) if buckets else (4, 4)) and set(rows) <= {1, 2, 4}
     with pytest.raises(ValueError, match="one time per request, so 13"):
         runner.generate(prompts, arrivals=[0.0], batch_size=4, **kwargs)
 
@@ -247,19 +315,24 @@ def test_bad_batch_sizes_are_refused(tiny):
         AutoregressiveGenerator(target).generate(prompts, max_new_tokens=4, batch_size=0)
 
 
-@pytest.mark.parametrize("continuous", [True, False], ids=["continuous", "fixed"])
-def test_taps_under_refills_are_those_of_one_batch(tiny, continuous):
+@pytest.mark.parametrize("continuous, buckets", [(True, False), (False, False), (True, True)],
+                         ids=["continuous", "fixed", "buckets"])
+def test_taps_under_refills_are_those_of_one_batch(tiny, continuous, buckets):
     """With tap layers (what the target cache stores), every request gets its taps at every
     position of prompt + answer, as in one batch, although rows are refilled: the last token of a
-    finished request is tapped by the step after it, before its row takes the next request."""
+    finished request is tapped by the step after it, before its row takes the next request. With
+    ``batch_buckets`` such a row keeps its tap when the batch shrinks around it (the last
+    requests finish one by one: their limits fall)."""
     target, _, prompts, sampling = tiny
     generator = AutoregressiveGenerator(target, tap_layers=(0, 2))
-    kwargs = dict(max_new_tokens=16, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
+    limits = [16 - i for i in range(len(prompts))]
+    kwargs = dict(max_new_tokens=limits, sampling=sampling, seeds=7, stop_ids=[STOP], max_len=48)
     one_batch = generator.generate(prompts, **kwargs)
     assert min(map(len, one_batch.tokens)) == 1, "a request stops at its first token"
     inserts = counting_refills(generator)
-    refilled = generator.generate(prompts, batch_size=4, continuous=continuous, **kwargs)
+    refilled = generator.generate(prompts, batch_size=4, continuous=continuous, batch_buckets=buckets, **kwargs)
     assert refilled.tokens == one_batch.tokens and bool(inserts) == continuous
+    assert (min(refilled.rows_per_step) < 4) == buckets
     for prompt, tokens, taps, expected in zip(prompts, refilled.tokens, refilled.taps, one_batch.taps):
         assert taps.shape == (len(prompt) + len(tokens), 2 * target.cfg.hidden_size)
         # A refill's prefill pads its prompts to another width than the one batch's: attention then

@@ -47,7 +47,8 @@ def test_the_pareto_front_keeps_the_points_nothing_beats_on_both():
 
 def test_serving_times_each_request_from_its_arrival():
     """After ``warm_up``, nothing compiles while serving (prompts of two prefill widths, rows
-    refilled while others decode); every request's first token comes after its arrival."""
+    refilled while others decode, with and without batch buckets); every request's first token
+    comes after its arrival."""
     target = sharp_tiny_target()
     generator = AutoregressiveGenerator(target)
     rng = np.random.default_rng(0)
@@ -67,5 +68,12 @@ def test_serving_times_each_request_from_its_arrival():
     assert np.all(run.ttft_s >= 0) and np.all(run.latency_s >= run.ttft_s)
     assert np.all(run.first_token_s >= run.arrival_s) and run.wall_s >= run.finish_s.max() >= 0.4
     assert run.throughput == pytest.approx(run.num_tokens.sum() / run.wall_s)
+    assert run.summary()["mean_batch_rows"] == 2
+    # Batch buckets: the warm-up covers one row too, and the resizes; the last request runs alone.
+    warm_up(generator, prompts, batch_size=2, max_len=32, batch_buckets=True)
+    with count_compilations() as compiled:
+        bucketed = serve(generator, prompts, arrivals, batch_size=2, batch_buckets=True, **kwargs)
+    assert compiled.count == 0 and bucketed.result.tokens == run.result.tokens
+    assert bucketed.result.rows_per_step[-1] == 1 and 1 < bucketed.summary()["mean_batch_rows"] < 2
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         serve(generator, prompts, arrivals, max_new_tokens=0, batch_size=2)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from dspark_jax.config import SamplingConfig, as_int, as_ints, check_tap_layers
 from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
-from dspark_jax.decoding.slots import IDLE, Completions, RowInserter, Slots, refill_sizes
+from dspark_jax.decoding.slots import IDLE, Completions, Slots, StateRows, refill_sizes
 from dspark_jax.decoding.target_protocol import SpeculativeTarget
 from dspark_jax.sampling import SamplingParams, request_keys, sample, step_keys
 
@@ -56,6 +56,7 @@ class GenerationResult:
     # With ``tap_layers`` (and max_new_tokens > 0): per request, the tapped layers' raw outputs at
     # every position of prompt + generated tokens, ``[len(prompt) + len(tokens), len(tap_layers) * d]``.
     taps: list[np.ndarray] | None = None
+    rows_per_step: list[int] = dataclasses.field(default_factory=list)  # the batch's rows at each step
 
     @property
     def num_generated(self) -> int:
@@ -259,10 +260,11 @@ class AutoregressiveGenerator:
         # The cache is donated: every layer's K/V buffer is updated in place.
         self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0,)), donate_argnums=(1,))
         self._decode_step = jax.jit(self.rows.per_row(decode_step, replicated=(0,)), donate_argnums=(1,))
-        self._insert = RowInserter(lambda batch: (
+        self._state_rows = StateRows(lambda batch: (
             target.new_cache(batch, 1), jnp.zeros((batch,), jnp.int32), request_keys(range(batch)),
             SamplingParams.broadcast(SamplingConfig(), batch),
         ))
+        self._insert, self._take = self._state_rows.insert, self._state_rows.take
 
     def on_rows(self, tree):
         """Per-request arrays (leading axis = batch) where the generator runs them."""
@@ -272,19 +274,24 @@ class AutoregressiveGenerator:
         return self._new_cache(batch, max_len)
 
     @in_mesh_scope
-    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False) -> float:
+    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False,
+               buckets: bool = False) -> float:
         """Compile prefill and decode for these shapes on dummy inputs; returns seconds spent.
         ``refills``: also the prefills and row inserts of continuous batching into ``batch`` rows
-        (every refill size), so that serving requests as they come compiles nothing."""
+        (every refill size), so that serving requests as they come compiles nothing. ``buckets``:
+        all of it at every batch size ``generate(batch_buckets=True)`` runs, and the resizes."""
         start = time.perf_counter()
-        cache, token_B, keys, params = self._dummy_prefill(batch, prompt_len, max_len)
-        # Host arrays go through the same numpy -> device conversions as in generate().
-        step, active = self.on_rows((jnp.asarray([0] * batch, jnp.int32), jnp.asarray(np.ones(batch, bool))))
-        token_B, cache, _ = self._decode_step(self.params, cache, token_B, active, step, keys, params)
-        state = (cache, token_B, keys, params)
-        for size in refill_sizes(batch, self.rows.devices) if refills else ():
-            state = self._insert(state, self._dummy_prefill(size, prompt_len, max_len), np.arange(size), size, batch)
-        jax.block_until_ready(state)
+        sizes = refill_sizes(batch, self.rows.devices)
+        for live in sizes if buckets else [batch]:
+            cache, token_B, keys, params = self._dummy_prefill(live, prompt_len, max_len)
+            # Host arrays go through the same numpy -> device conversions as in generate().
+            step, active = self.on_rows((jnp.asarray([0] * live, jnp.int32), jnp.asarray(np.ones(live, bool))))
+            token_B, cache, _ = self._decode_step(self.params, cache, token_B, active, step, keys, params)
+            state = (cache, token_B, keys, params)
+            if refills:
+                state = self._state_rows.warm(state, live, lambda size: self._dummy_prefill(size, prompt_len, max_len),
+                                              sizes, sizes if buckets else [batch])
+            jax.block_until_ready(state)
         return time.perf_counter() - start
 
     def _dummy_prefill(self, batch: int, prompt_len: int, max_len: int):
@@ -322,6 +329,7 @@ class AutoregressiveGenerator:
         on_finish: FinishCallback | None = None,
         on_tokens: TokensCallback | None = None,
         arrivals: Sequence[float] | None = None,
+        batch_buckets: bool = False,
     ) -> GenerationResult:
         """Generate for token-id prompts.
 
@@ -343,15 +351,20 @@ class AutoregressiveGenerator:
         seconds after this call at which it arrives. A request joins the batch at the first refill
         after its arrival, in order of arrival; with nothing to decode, the call sleeps until the
         next arrival. ``prefill_s`` and ``decode_s`` do not count that sleep.
+
+        ``batch_buckets``: each step runs at the smallest of the batch sizes 1, 2, 4, ... (times
+        the mesh's data-parallel devices), ``batch_size`` that holds the requests in flight, so a
+        lightly loaded batch costs what a small one does; rows move (a copy of their cache) when
+        the size changes. Every size compiles its own programs (``warmup(buckets=True)``), and
+        ``on_step`` gets as many tokens as the step had rows.
         """
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return GenerationResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0)
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous, arrivals=arrivals)
-        batch = slots.rows
-        self.rows.check_batch(batch)
+                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets)
+        self.rows.check_batch(slots.rows)
         # Fitting the default cache refuses positions past the model's: a max_len given by hand
         # must not skip that.
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
@@ -364,6 +377,16 @@ class AutoregressiveGenerator:
         # ``untapped`` maps such rows to the request still owed the tap.
         taps = [[] for _ in range(count)] if self.tap_layers else None
         untapped: dict[int, int] = {}
+
+        def resize(state, keep):
+            """The state of the rows ``keep`` (``Slots.resize``); a held row moves with its tap."""
+            moved = {}
+            for new, old in enumerate(keep):
+                moved.setdefault(int(old), new)
+            owed = {moved[row]: request for row, request in untapped.items()}
+            untapped.clear()
+            untapped.update(owed)
+            return self._take(state, keep)
 
         def emit(rows, tokens) -> None:
             before = slots.request_of.copy()
@@ -382,11 +405,13 @@ class AutoregressiveGenerator:
 
         state = None  # (cache, last token, keys, sampling parameters), per row
         prefill_s = decode_s = 0.0
-        steps = 0
+        rows_per_step = []
         while True:
             while (fill := slots.refill(held=untapped)) is not None:
-                rows, joining, size, whole = fill
+                rows, joining, size, whole, keep = fill
                 start = time.perf_counter()
+                if keep is not None:
+                    state = resize(state, keep)
                 padded, fill_lens, params, keys = requests.pick(joining + joining[:1] * (size - len(joining)), max_len)
                 params, keys, tokens_BxP, lens_B = self.on_rows((
                     params, keys, jnp.asarray(padded), jnp.asarray(fill_lens, jnp.int32),
@@ -394,7 +419,7 @@ class AutoregressiveGenerator:
                 token_B, cache, prompt_taps = self._prefill(
                     self.params, self.new_cache(size, max_len), tokens_BxP, lens_B, keys, params)
                 filled = (cache, token_B, keys, params)
-                state = filled if whole else self._insert(state, filled, rows, size, batch)
+                state = filled if whole else self._insert(state, filled, rows, size, slots.live)
                 first = np.asarray(token_B)
                 prefill_s += time.perf_counter() - start
                 if taps is not None:
@@ -408,6 +433,8 @@ class AutoregressiveGenerator:
                     continue
                 break
             start = time.perf_counter()
+            if (keep := slots.shrink(held=untapped)) is not None:
+                state = resize(state, keep)
             cache, token_B, keys, params = state
             step_B, active_B = self.on_rows((
                 jnp.asarray([len(out[r]) if r != IDLE else 0 for r in slots.request_of], jnp.int32),
@@ -422,8 +449,10 @@ class AutoregressiveGenerator:
             emit(active_rows, token_np[active_rows])
             if on_step is not None:
                 on_step(token_np)
-            steps += bool(active_rows.size)  # not a step that only taps finished rows' last tokens
+            if active_rows.size:  # not a step that only taps finished rows' last tokens
+                rows_per_step.append(slots.live)
             decode_s += time.perf_counter() - start
         if taps is not None:
             taps = [np.concatenate(parts) for parts in taps]
-        return GenerationResult(out, completions.reasons, prefill_s, decode_s, steps, taps)
+        return GenerationResult(out, completions.reasons, prefill_s, decode_s, len(rows_per_step), taps=taps,
+                                rows_per_step=rows_per_step)

@@ -10,7 +10,10 @@ policy (threshold, scheduler), whose lengths weigh every row in flight, and thro
 rounding (its prefill's shape depends on the requests it joined with; ``docs/EXACTNESS.md``).
 
 Refill sizes are bucketed (a multiple of the mesh's data-parallel devices, doubling, up to
-``rows``) so that only a few prefill shapes compile.
+``rows``) so that only a few prefill shapes compile. With ``buckets`` the batch itself takes those
+sizes: it runs at the smallest that holds the rows in flight, so a lightly loaded server pays for
+one or two rows rather than ``rows``. When the rows in flight outgrow it or fit a smaller one, the
+state is resized (``StateRows.take``: the rows kept move to the front, in order).
 
 Requests may also arrive while the batch decodes (online serving, ``engine.load``): with
 ``arrivals``, a request waits for a row only from its arrival time on, requests join in order of
@@ -26,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 IDLE = -1
@@ -34,12 +38,14 @@ IDLE = -1
 class Refill(NamedTuple):
     """Requests joining the batch: ``requests[i]`` takes row ``rows[i]``, prefilled as a batch of
     ``size`` (the requests, then padding). ``whole``: every row was idle, so ``size`` is the
-    batch's and ``rows`` is ``0..len(requests)-1``; the prefilled state replaces the batch's."""
+    batch's and ``rows`` is ``0..len(requests)-1``; the prefilled state replaces the batch's.
+    ``keep``: the batch is resized first (``Slots.resize``), ``None`` if not."""
 
     rows: np.ndarray
     requests: list[int]
     size: int
     whole: bool
+    keep: np.ndarray | None = None
 
 
 class Slots:
@@ -47,6 +53,9 @@ class Slots:
 
     ``continuous=False`` refills only once every row is idle: fixed batches of ``rows``
     requests in order, each batch's composition independent of when its requests finish.
+
+    ``buckets``: the batch has ``live`` rows, the smallest of ``sizes`` that holds the rows in
+    flight (else always ``rows``); ``request_of`` has ``live`` entries.
 
     ``arrivals``: per request, the seconds after this object is made at which it arrives (default:
     all at once). Requests are taken in order of arrival (ties in index order), each only once
@@ -56,11 +65,11 @@ class Slots:
 
     def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True,
                  arrivals: Collection[float] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, buckets: bool = False):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
-        self.rows, self.continuous = rows, continuous
-        self.request_of = np.full(rows, IDLE, np.int64)
+        self.rows, self.continuous, self.buckets = rows, continuous, buckets
+        self.request_of = np.full(0 if buckets else rows, IDLE, np.int64)
         arrival_s = np.zeros(num_requests) if arrivals is None else checked_arrivals(arrivals, num_requests)
         order = np.argsort(arrival_s, kind="stable")
         self.waiting = deque(int(i) for i in order)
@@ -73,26 +82,66 @@ class Slots:
     def active(self) -> np.ndarray:
         return self.request_of != IDLE
 
+    @property
+    def live(self) -> int:
+        """The rows the batch has now (``rows`` without ``buckets``)."""
+        return self.request_of.size
+
     def release(self, row: int) -> None:
         self.request_of[row] = IDLE
 
+    def bucket(self, count: int) -> int:
+        """The smallest batch (or refill) size that holds ``count`` rows."""
+        return next(s for s in self.sizes if s >= count)
+
+    def _busy(self, held: Collection[int]) -> np.ndarray:
+        busy = self.request_of != IDLE
+        busy[list(held)] = True
+        return np.flatnonzero(busy)
+
     def refill(self, held: Collection[int] = ()) -> Refill | None:
         """The next waiting requests for the idle rows, if it is time to refill. ``held``: idle
-        rows not to refill yet (they count as busy)."""
-        free = self.request_of == IDLE
-        free[list(held)] = False
-        idle = np.flatnonzero(free)
-        if not self.waiting or not idle.size or (not self.continuous and idle.size < self.rows):
+        rows not to refill yet (they count as busy). With ``buckets`` the batch grows to hold
+        them (``Refill.keep``)."""
+        busy = self._busy(held)
+        room = (self.rows if self.buckets else self.live) - busy.size
+        if not self.waiting or not room or (not self.continuous and busy.size):
             return None
-        count = min(idle.size, self.arrived())
+        count = min(room, self.arrived())
         if not count:
             return None
-        whole = idle.size == self.rows
-        size = self.rows if whole else next(s for s in self.sizes if s >= count)
+        whole = not busy.size
+        keep = None
+        if whole:
+            self.request_of = np.full(self.bucket(count) if self.buckets else self.rows, IDLE, np.int64)
+        elif self.buckets and self.bucket(busy.size + count) != self.live:
+            keep = self.resize(self.bucket(busy.size + count), held)
+        if keep is None:
+            idle = np.setdiff1d(np.flatnonzero(self.request_of == IDLE), list(held))
+        else:  # the busy rows (held ones included) are first now
+            idle = np.arange(busy.size, self.live)
         rows = idle[:count]
         requests = [self.waiting.popleft() for _ in range(count)]
         self.request_of[rows] = requests
-        return Refill(rows, requests, size, whole)
+        return Refill(rows, requests, self.live if whole else self.bucket(count), whole, keep)
+
+    def shrink(self, held: Collection[int] = ()) -> np.ndarray | None:
+        """With ``buckets``: resize to the smallest size holding the busy rows, if that is smaller
+        (``resize``'s ``keep``); ``None`` if the batch stays (or is empty: the next refill
+        replaces it)."""
+        busy = self._busy(held)
+        if not self.buckets or not busy.size or self.bucket(busy.size) == self.live:
+            return None
+        return self.resize(self.bucket(busy.size), held)
+
+    def resize(self, live: int, held: Collection[int] = ()) -> np.ndarray:
+        """Make the batch ``live`` rows, the busy ones (in flight or ``held``) first, in order:
+        returns ``keep``, the old row each new row takes (``StateRows.take``; rows past the busy
+        ones copy the first and are idle). A held row moves to its index in ``keep``."""
+        busy = self._busy(held)
+        keep = np.concatenate([busy, np.full(live - busy.size, busy[0] if busy.size else 0)]).astype(np.int32)
+        self.request_of = np.concatenate([self.request_of[busy], np.full(live - busy.size, IDLE, np.int64)])
+        return keep
 
     def arrived(self) -> int:
         """How many waiting requests have arrived."""
@@ -182,17 +231,40 @@ def _insert_rows(batch_state, refill_state, dest_N, *, axes):
     return jax.tree.map(put, batch_state, refill_state, axes)
 
 
-class RowInserter:
-    """Writes a refill's per-row state into chosen rows of the batch's (donated, in place).
+def _take_rows(state, source_N, *, axes):
+    return jax.tree.map(lambda leaf, axis: jnp.take(leaf, source_N, axis=axis), state, axes)
+
+
+class StateRows:
+    """Moves per-row state between batches: ``insert`` writes a refill's rows into the batch's
+    (donated, in place), ``take`` builds a batch of other rows (a resize).
 
     ``make(batch)`` builds a state pytree of that batch size (only its shapes are used, to find
     each leaf's batch axis)."""
 
     def __init__(self, make: Callable[[int], Any]):
-        self._insert = jax.jit(functools.partial(_insert_rows, axes=row_axes(make)), donate_argnums=(0,))
+        axes = row_axes(make)
+        self._insert = jax.jit(functools.partial(_insert_rows, axes=axes), donate_argnums=(0,))
+        self._take = jax.jit(functools.partial(_take_rows, axes=axes))
 
-    def __call__(self, batch_state, refill_state, rows: np.ndarray, size: int, batch: int):
-        """Refill row ``i < len(rows)`` goes to batch row ``rows[i]``; rows past that are padding."""
+    def insert(self, batch_state, refill_state, rows: np.ndarray, size: int, batch: int):
+        """Refill row ``i < len(rows)`` goes to batch row ``rows[i]``; rows past that are padding.
+        ``batch``: the batch state's rows."""
         dest = np.full(size, batch, np.int32)
         dest[: len(rows)] = rows
         return self._insert(batch_state, refill_state, dest)
+
+    def take(self, state, keep: np.ndarray):
+        """A batch of ``len(keep)`` rows, row ``i`` being ``state``'s row ``keep[i]``."""
+        return self._take(state, np.asarray(keep, np.int32))
+
+    def warm(self, state, batch: int, dummy: Callable[[int], Any], sizes: Sequence[int], batches: Sequence[int]):
+        """Run (so compile) every refill of ``sizes`` into this ``batch``-row ``state`` and every
+        resize from it to the other ``batches``; ``dummy(size)`` is a refill's state."""
+        for size in sizes:
+            if size <= batch:
+                state = self.insert(state, dummy(size), np.arange(size), size, batch)
+        for other in batches:
+            if other != batch:
+                self.take(state, np.zeros(other, np.int32))
+        return state

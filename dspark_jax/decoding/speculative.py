@@ -47,7 +47,7 @@ from dspark_jax.decoding.autoregressive import (
     prompt_width,
 )
 from dspark_jax.decoding.rows import RowSplit, in_mesh_scope
-from dspark_jax.decoding.slots import Completions, RowInserter, Slots, refill_sizes
+from dspark_jax.decoding.slots import Completions, Slots, StateRows, refill_sizes
 from dspark_jax.decoding.target_protocol import SpeculativeTarget, feature_dtype
 from dspark_jax.decoding.verify import verify
 from dspark_jax.drafter.interface import SpeculativeDrafter
@@ -272,6 +272,7 @@ class SpeculativeResult:
     # per drafted round: the confidence logits [active requests, γ] (empty for a drafter without a head)
     confidence_per_round: list[np.ndarray] = dataclasses.field(default_factory=list)
     plain_rounds: int = 0  # rounds that skipped the draft (target steps; counted in ``rounds``)
+    rows_per_round: list[int] = dataclasses.field(default_factory=list)  # the batch's rows each round
 
     def per_position_acceptance(self, gamma: int) -> np.ndarray:
         if not self.accepted_per_round:
@@ -359,11 +360,12 @@ class SpeculativeDecoder:
         self._prefill = jax.jit(self.rows.per_row(prefill, replicated=(0, 1)), donate_argnums=(2, 3))
         self._verify = jax.jit(verify_at, static_argnames=("width",), donate_argnames=("state",))
         feature = self._feature_dtype
-        self._insert = RowInserter(lambda batch: (
+        self._state_rows = StateRows(lambda batch: (
             DecodeState(target.new_cache(batch, 1), drafter.new_context(batch, 1, feature),
                         jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32)),
             request_keys(range(batch)), SamplingParams.broadcast(SamplingConfig(), batch),
         ))
+        self._insert, self._take = self._state_rows.insert, self._state_rows.take
         self._set_policy(FixedPolicy(gamma) if policy is None else policy)
 
     def _set_policy(self, policy) -> None:
@@ -404,25 +406,30 @@ class SpeculativeDecoder:
         return other
 
     @in_mesh_scope
-    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False) -> float:
+    def warmup(self, batch: int, prompt_len: int, max_len: int, *, refills: bool = False,
+               buckets: bool = False) -> float:
         """Compile prefill, draft and every verify width for these shapes; returns seconds.
         ``refills``: also the prefills and row inserts of continuous batching into ``batch`` rows
-        (every refill size), so that serving requests as they come compiles nothing."""
+        (every refill size), so that serving requests as they come compiles nothing. ``buckets``:
+        all of it at every batch size ``generate(batch_buckets=True)`` runs, and the resizes."""
         start = time.perf_counter()
-        state, keys, params = self._dummy_prefill(batch, prompt_len, max_len)
-        active, lengths = self.rows.on_rows((jnp.asarray(np.ones(batch, bool)), jnp.zeros((batch,), jnp.int32)))
-        for size in refill_sizes(batch, self.rows.devices) if refills else ():
-            state, keys, params = self._insert(
-                (state, keys, params), self._dummy_prefill(size, prompt_len, max_len), np.arange(size), size, batch)
-        for width in self.verify_widths:
-            block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active, NO_FLOOR)
-            if self._plan_next_round is not None:
-                self._plan_next_round(confidence, active, params)
-            _, state = self._verify(
-                self.params, self.drafter_state, state, block, lengths, keys, params, active,
-                stop_id_array(()), width=width,
-            )
-        jax.block_until_ready(state)
+        sizes = refill_sizes(batch, self.rows.devices)
+        for live in sizes if buckets else [batch]:
+            state = self._dummy_prefill(live, prompt_len, max_len)
+            if refills:
+                state = self._state_rows.warm(state, live, lambda size: self._dummy_prefill(size, prompt_len, max_len),
+                                              sizes, sizes if buckets else [batch])
+            state, keys, params = state
+            active, lengths = self.rows.on_rows((jnp.asarray(np.ones(live, bool)), jnp.zeros((live,), jnp.int32)))
+            for width in self.verify_widths:
+                block, _, confidence = self._draft(self.params, self.drafter_state, state, keys, params, active, NO_FLOOR)
+                if self._plan_next_round is not None:
+                    self._plan_next_round(confidence, active, params)
+                _, state = self._verify(
+                    self.params, self.drafter_state, state, block, lengths, keys, params, active,
+                    stop_id_array(()), width=width,
+                )
+            jax.block_until_ready(state)
         return time.perf_counter() - start
 
     def _dummy_prefill(self, batch: int, prompt_len: int, max_len: int):
@@ -475,18 +482,24 @@ class SpeculativeDecoder:
         on_finish: FinishCallback | None = None,
         on_tokens: TokensCallback | None = None,
         arrivals: Sequence[float] | None = None,
+        batch_buckets: bool = False,
     ) -> SpeculativeResult:
         """Speculative generation; the same contract as ``AutoregressiveGenerator.generate``,
-        continuous batching and ``arrivals`` included. A refill prefills the joining requests between rounds;
-        ``on_tokens`` gets each round's accepted drafts and target token at once."""
+        continuous batching, ``arrivals`` and ``batch_buckets`` included. A refill prefills the
+        joining requests between rounds; ``on_tokens`` gets each round's accepted drafts and
+        target token at once. With ``batch_buckets`` a scheduler policy needs a cost table for
+        every batch size the decoder may run (``scheduler.profile.profiled(batches=...)``), and the
+        round after a resize drafts (the last round's block, which plain rounds reuse for their
+        shapes, has the old rows)."""
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [], [])
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous, arrivals=arrivals)
-        batch = slots.rows
-        self.rows.check_batch(batch)
+                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets)
+        self.rows.check_batch(slots.rows)
+        if hasattr(self.policy, "check_batches"):  # a missing cost table fails now, not mid-run
+            self.policy.check_batches(slots.sizes if batch_buckets else [slots.rows])
         # Fitting the default cache refuses positions past the model's: a max_len given by hand
         # must not skip that.
         fitted = self.cache_len_for(requests.lens, requests.max_new_tokens)
@@ -503,19 +516,21 @@ class SpeculativeDecoder:
         # next drafted round's ``floor``.
         skip = plain_left = plain_rounds = 0
         floor = NO_FLOOR
-        no_drafts = self.rows.on_rows(jnp.zeros((batch,), jnp.int32))
         block = None
         state = keys = params = None  # per row: DecodeState, PRNG keys, sampling parameters
+        rows_per_round = []
         while True:
             while (fill := slots.refill()) is not None:
-                rows, joining, size, whole = fill
+                rows, joining, size, whole, keep = fill
                 start = time.perf_counter()
+                if keep is not None:
+                    state, keys, params = self._take((state, keys, params), keep)
                 padded, fill_lens, fill_params, fill_keys = requests.pick(joining + joining[:1] * (size - len(joining)), max_len)
                 fill_params, fill_keys = self.rows.on_rows((fill_params, fill_keys))
                 first, filled = self.prefill(size, max_len, padded, fill_lens, fill_keys, fill_params)
                 filled = (filled, fill_keys, fill_params)
                 state, keys, params = filled if whole else self._insert(
-                    (state, keys, params), filled, rows, size, batch)
+                    (state, keys, params), filled, rows, size, slots.live)
                 first = np.asarray(first)
                 prefill_s += time.perf_counter() - start
                 for row, token in zip(rows, first):
@@ -526,6 +541,11 @@ class SpeculativeDecoder:
                     continue
                 break
             t_draft = time.perf_counter()
+            if (keep := slots.shrink()) is not None:
+                state, keys, params = self._take((state, keys, params), keep)
+                active = slots.active
+            if block is not None and block.tokens_BxG.shape[0] != slots.live:
+                block, plain_left = None, 0  # resized: plain rounds need a block of the new rows' shape
             active_j = self.rows.on_rows(jnp.asarray(active))
             drafting = plain_left == 0 and (block is None or getattr(self.policy, "drafts", True))
             if drafting:
@@ -535,7 +555,8 @@ class SpeculativeDecoder:
                 width = self.width_for(int(lengths_np[active].max()))
             else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
                 plain_left, plain_rounds = max(plain_left - 1, 0), plain_rounds + 1
-                lengths, lengths_np, width = no_drafts, np.zeros(batch, np.int32), self.verify_widths[0]
+                lengths_np, width = np.zeros(slots.live, np.int32), self.verify_widths[0]
+                lengths = self.rows.on_rows(jnp.zeros((slots.live,), jnp.int32))  # as warmup makes it
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
             verdict, state = self._verify(
@@ -562,11 +583,12 @@ class SpeculativeDecoder:
             if drafting and confidence is not None:
                 confidence_log.append(np.asarray(confidence)[active])
             widths.append(width)
+            rows_per_round.append(slots.live)
             for row in np.flatnonzero(active):
                 completions.emit(row, emitted[row, : num[row]], bool(stopped[row]))
             decode_s += time.perf_counter() - t_draft
         return SpeculativeResult(
             completions.tokens, completions.reasons, prefill_s, decode_s, len(widths), accepted_log, committed_log,
             lengths_log, widths, draft_s=draft_s, verify_s=verify_s, confidence_per_round=confidence_log,
-            plain_rounds=plain_rounds,
+            plain_rounds=plain_rounds, rows_per_round=rows_per_round,
         )

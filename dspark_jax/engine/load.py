@@ -103,6 +103,9 @@ class ServingRun:
             "ttft_s": spread(self.ttft_s),
             "tpot_s": spread(self.tpot_s),
         }
+        rows = getattr(self.result, "rows_per_round", None) or getattr(self.result, "rows_per_step", None)
+        if rows:  # how full the batch ran: with batch buckets, the sizes it took
+            out["mean_batch_rows"] = float(np.mean(rows))
         if hasattr(self.result, "tau"):
             out |= {"tau": self.result.tau, "width_histogram": dict(self.result.width_histogram)}
         return out
@@ -111,11 +114,13 @@ class ServingRun:
 def warm_up(decoder, prompts: Sequence[Sequence[int]], *, batch_size: int, max_len: int, **generate_kwargs) -> float:
     """Compile what serving ``prompts`` on ``batch_size`` rows with a ``max_len`` cache takes, so
     that no request waits on a compilation: every refill size at every prompt width among
-    ``prompts`` (``warmup(refills=True)``), then a one-token run of them all (what depends on the
-    number of requests: their sampling parameters and PRNG keys). Returns seconds spent."""
+    ``prompts`` (``warmup(refills=True)``; with ``batch_buckets=True`` at every batch size, and the
+    resizes), then a one-token run of them all (what depends on the number of requests: their
+    sampling parameters and PRNG keys). Returns seconds spent."""
     start = time.perf_counter()
+    buckets = generate_kwargs.get("batch_buckets", False)
     for length in sorted({prompt_width(len(p), max_len): len(p) for p in prompts}.values()):  # one per width
-        decoder.warmup(batch_size, length, max_len, refills=True)
+        decoder.warmup(batch_size, length, max_len, refills=True, buckets=buckets)
     decoder.generate(prompts, max_new_tokens=1, max_len=max_len, batch_size=batch_size, **generate_kwargs)
     return time.perf_counter() - start
 
@@ -124,7 +129,8 @@ def serve(decoder, prompts: Sequence[Sequence[int]], arrivals: Sequence[float], 
           batch_size: int, clock=time.perf_counter, **generate_kwargs) -> ServingRun:
     """``decoder.generate`` on requests arriving at ``arrivals`` (seconds from now), at most
     ``batch_size`` decoding at once; every request timed. ``generate_kwargs`` (sampling, seeds,
-    stop_ids, max_len) go to ``generate``; time a warm decoder (``warm_up``)."""
+    stop_ids, max_len, batch_buckets) go to ``generate``; time a warm decoder (``warm_up``, with
+    the same ``batch_buckets``)."""
     if np.min(max_new_tokens) < 1:
         raise ValueError(f"serving times each request's tokens: max_new_tokens must be >= 1, got {max_new_tokens}")
     count = len(prompts)

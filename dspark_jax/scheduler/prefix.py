@@ -301,20 +301,26 @@ class SchedulerPolicy:
         if self.calibrations and len(self.calibrations[0].temperatures) != gamma:
             raise ValueError(f"a calibration of {len(self.calibrations[0].temperatures)} positions for a drafter of γ={gamma}")
 
-    def _table(self, batch: int) -> tuple[list[int], list[float], float | None]:
-        """``(widths, seconds, plain seconds or None)`` for ``batch`` rows."""
+    def check_batches(self, batches: Sequence[int]) -> None:
+        """A clear error unless the cost table times every one of these batch sizes."""
         if self.costs is None:
             raise ValueError("this scheduler policy has no cost table yet: profile the decoder first "
                              "(dspark_jax.scheduler.profile.profiled, or `dspark profile`)")
-        for b, table in self.costs:
-            if b == batch:
-                verify = [(w, t) for w, t in table if w != PLAIN]
-                # A narrow width timed slower than a wider one is timing noise: it costs what the wider does.
-                seconds = np.minimum.accumulate(np.asarray([t for _, t in verify])[::-1])[::-1]
-                return [w for w, _ in verify], seconds.tolist(), dict(table).get(PLAIN)
-        profiled = ", ".join(str(b) for b, _ in self.costs)
-        raise ValueError(f"the scheduler's cost table has no batch size {batch} (profiled: {profiled}); "
-                         "profile that batch size (`dspark profile --batch ...`)")
+        profiled = [b for b, _ in self.costs]
+        missing = sorted(set(batches) - set(profiled))
+        if missing:
+            raise ValueError(f"the scheduler's cost table has no batch size {', '.join(map(str, missing))} "
+                             f"(profiled: {', '.join(map(str, profiled))}); profile every batch size the "
+                             "decoder runs (`dspark profile --batch ...`)")
+
+    def _table(self, batch: int) -> tuple[list[int], list[float], float | None]:
+        """``(widths, seconds, plain seconds or None)`` for ``batch`` rows."""
+        self.check_batches([batch])
+        table = dict(dict(self.costs)[batch])
+        verify = [(w, t) for w, t in table.items() if w != PLAIN]
+        # A narrow width timed slower than a wider one is timing noise: it costs what the wider does.
+        seconds = np.minimum.accumulate(np.asarray([t for _, t in verify])[::-1])[::-1]
+        return [w for w, _ in verify], seconds.tolist(), table.get(PLAIN)
 
     def _survival(self, confidence_BxG, gamma: int, sampling: SamplingParams) -> jax.Array:
         if confidence_BxG is None:
