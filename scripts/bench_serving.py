@@ -15,9 +15,10 @@ greedy:
   ("B=4 buckets": each step runs at the smallest of 1, 2, 4 rows that holds the requests in
   flight; ``--no-buckets`` skips these runs);
 - decoders: target-only and each ``--policy`` (default ``fixed:7`` and ``scheduler``, whose cost
-  table is profiled at every batch size the runs take on the cache serving uses); every program is compiled before
-  timing (``engine.load.warm_up``) and compilations while timing are counted; runs alternate
-  between decoders at each (B, rate), so a burst of load from other processes hits all alike;
+  table is profiled at every batch size the runs take, on the cache serving uses); every program
+  is compiled before timing (``engine.load.warm_up``) and compilations while timing are counted;
+  runs alternate between decoders, and between static rows and buckets, at each (B, rate), so a
+  burst of load from other processes hits all alike;
 - per run: throughput (tokens/s over the run), per-user speed (the median request's 1 / TPOT),
   latency, time to first token and TPOT (mean, p50, p90, p99), τ and verify widths; greedy
   outputs compared with target-only's; per (policy, B, rate) the throughput and p90-latency
@@ -36,6 +37,7 @@ last line printed is ``{"throughput_ratio": {"<policy>": {"B=<b>": {"<rate>": x}
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -184,8 +186,8 @@ def main(argv=None) -> int:
     summaries = {name: {label: {} for label, _, _ in batchings} for name in decoders}
     identical = {name: True for name in decoders if name != TARGET_ONLY}
     with count_compilations() as compiled:
-        for label, b, buckets in batchings:
-            for rate, times in arrivals.items():
+        for b, (rate, times) in itertools.product(args.batch_sizes, arrivals.items()):
+            for label, buckets in [(label, buckets) for label, size, buckets in batchings if size == b]:
                 base = None
                 for name, decoder in decoders.items():
                     run = serve(decoder, prompts, times, max_new_tokens=args.max_new_tokens, batch_size=b,

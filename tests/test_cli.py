@@ -340,6 +340,7 @@ def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_tar
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == data["summary"]
     assert data["summary"]["identical"] is True and data["compiles_while_timing"] == 0
     assert set(data["runs"]) == {"target-only", "fixed:7", "scheduler"}
+    assert set(data["runs"]["scheduler"]) == {"B=2", "B=2 buckets"}  # static rows, and batch buckets
     assert set(data["summary"]["throughput_ratio"]["scheduler"]["B=2"]) == {"50", "inf"}
     assert data["arrivals_s"]["inf"] == [0, 0, 0] and data["arrivals_s"]["50"][0] == 0
     for per_b in data["runs"].values():

@@ -556,7 +556,8 @@ class SpeculativeDecoder:
             else:  # the last block rides along: at ℓ = 0 only the anchor's output counts
                 plain_left, plain_rounds = max(plain_left - 1, 0), plain_rounds + 1
                 lengths_np, width = np.zeros(slots.live, np.int32), self.verify_widths[0]
-                lengths = self.rows.on_rows(jnp.zeros((slots.live,), jnp.int32))  # as warmup makes it
+                # jnp.zeros as warmup compiles it (jnp.asarray of numpy compiles a copy per shape).
+                lengths = self.rows.on_rows(jnp.zeros((slots.live,), jnp.int32))
             t_verify = time.perf_counter()
             draft_s += t_verify - t_draft
             verdict, state = self._verify(
