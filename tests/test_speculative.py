@@ -325,7 +325,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     would verify more, see below); its compiled prefill, draft and verify have no collective,
     the scheduler's draft only ones over the ``[B, γ]`` survivals; the scheduler's cost table can
     be profiled on the mesh; continuous batching on the mesh (refills of a row per device written
-    into the split batch) gives every request, speculative or target-only, its one-batch tokens;
+    into the split batch) gives every request, speculative or target-only, its one-batch tokens,
+    and so do batch buckets (16 rows, then 8);
     a batch that cannot split is refused by name."""
     script = textwrap.dedent("""
         import json
@@ -369,10 +370,18 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         kwargs = dict(max_new_tokens=24, sampling=sampling, seeds=7, stop_ids=[2], max_len=48)
         continuous = {"speculative-whole": runs["fixed-one"]["tokens"],
                       "target-whole": AutoregressiveGenerator(target).generate(prompts, **kwargs).tokens}
-        refills = {}
+        refills, bucket_rows = {}, {}
         for kind, runner in (("speculative", decoders["eight"]), ("target", AutoregressiveGenerator(target, mesh=mesh))):
             refills[kind] = counting_refills(runner)
             continuous[f"{kind}-eight"] = runner.generate(prompts, batch_size=8, **kwargs).tokens
+            # Batch buckets on the mesh: 16 rows, then 8 (a row a device) once 8 or fewer decode
+            # (the limits fall, so requests finish one by one); each request's tokens are its
+            # one-batch tokens, cut at its limit.
+            limits = [24 - i for i in range(16)]
+            bucketed = runner.generate(prompts, batch_size=16, batch_buckets=True, **dict(kwargs, max_new_tokens=limits))
+            continuous[f"{kind}-buckets"] = [t + continuous[f"{kind}-whole"][i][limits[i]:]
+                                             for i, t in enumerate(bucketed.tokens)]
+            bucket_rows[kind] = sorted(set(getattr(bucketed, "rows_per_round", None) or bucketed.rows_per_step))
         d = decoders["eight"]
         params, keys, active, lengths, tokens, lens = d.rows.on_rows((
             SamplingParams.from_configs(sampling), request_keys(range(16)), jnp.ones((16,), bool),
@@ -406,7 +415,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
             with jax.set_mesh(explicit):
                 explicit_runs[f"{kind}-within"] = make(explicit).generate(twice, batch_size=16, **both).tokens
         print(json.dumps({"runs": runs, "collectives": found, "errors": errors, "costs": costs,
-                          "continuous": continuous, "refills": refills, "explicit": explicit_runs}))
+                          "continuous": continuous, "refills": refills, "explicit": explicit_runs,
+                          "bucket_rows": bucket_rows}))
     """)
     report = run_on_eight_devices(script)
     runs, found = report["runs"], report["collectives"]
@@ -427,7 +437,8 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
     assert sorted(int(w) for w in report["costs"]) == [0, 1, 2, 4] and min(report["costs"].values()) > 0
     continuous = report["continuous"]
     for kind in ("speculative", "target"):
-        assert continuous[f"{kind}-eight"] == continuous[f"{kind}-whole"], kind
+        assert continuous[f"{kind}-eight"] == continuous[f"{kind}-buckets"] == continuous[f"{kind}-whole"], kind
+    assert report["bucket_rows"] == {"speculative": [8, 16], "target": [8, 16]}
     assert all(sizes and set(sizes) == {8} for sizes in report["refills"].values()), report["refills"]
     explicit = report["explicit"]
     for kind in ("speculative", "target"):
