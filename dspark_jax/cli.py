@@ -171,6 +171,7 @@ def cmd_batch(args) -> int:
     from dspark_jax import multihost
     from dspark_jax.decoding import batch_job
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+    from dspark_jax.decoding.slots import refill_sizes
     from dspark_jax.scheduler.prefix import SchedulerPolicy
 
     if args.policy is not None and args.drafter is None:
@@ -182,6 +183,8 @@ def cmd_batch(args) -> int:
             raise SystemExit(f"--data-parallel splits each batch over {len(devices)} devices: "
                              f"--batch-size {args.batch_size} is not a multiple of {len(devices)}")
         mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    # The batch sizes the job's steps run at (and the scheduler must be profiled at).
+    sizes = refill_sizes(args.batch_size, 1 if mesh is None else mesh.size) if args.batch_buckets else [args.batch_size]
     policy = parse_policy_arg(args.policy)
     sampling = sampling_from_args(args)
     if args.drafter is not None:
@@ -190,7 +193,9 @@ def cmd_batch(args) -> int:
     job = batch_job.BatchJob(args.input, args.output, {
         "checkpoint": args.checkpoint, "drafter": args.drafter, "policy": args.policy, "chat": args.chat,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches})
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches,
+        # Recorded only when on, so that jobs started before the option existed still resume.
+        **({"batch_buckets": True} if args.batch_buckets else {})})
     process, processes = jax.process_index(), jax.process_count()
     own_job = job if processes == 1 else job.part(process, processes)
     # A second copy of a running job is refused here, before it loads the model or profiles.
@@ -213,28 +218,32 @@ def cmd_batch(args) -> int:
             if isinstance(policy, SchedulerPolicy) and own_job.scheduler_costs:  # a resumed job schedules as it started
                 policy = policy.with_tables(own_job.scheduler_costs)
             runner = make_decoder(
-                target, drafter, policy, profile_batches=(args.batch_size,), profile_sampling=sampling, mesh=mesh,
+                target, drafter, policy, profile_batches=sizes, profile_sampling=sampling, mesh=mesh,
                 profile_max_len=decoding_cache_len(target, drafter, [len(r.ids) for r in own_requests], longest))
             if isinstance(runner.policy, SchedulerPolicy):
                 costs = {b: dict(table) for b, table in runner.policy.costs}
-                if args.batch_size not in costs:
-                    raise SystemExit(f"--policy {args.policy}: the cost table has no batch size {args.batch_size} "
-                                     f"(profiled: {sorted(costs)}); profile it with dspark profile --batch {args.batch_size}")
+                missing = [size for size in sizes if size not in costs]
+                if missing:
+                    listed = " ".join(map(str, missing))
+                    raise SystemExit(f"--policy {args.policy}: the cost table has no batch size {listed} "
+                                     f"(profiled: {sorted(costs)}); profile it with dspark profile --batch {listed}")
             described = _describe(name, drafter, runner)
         else:
             runner = AutoregressiveGenerator(target, mesh=mesh)
             described = "none (target-only decoding)"
         devices = "" if mesh is None else f", split over {mesh.size} devices"
         batching = "fixed batches" if args.fixed_batches else "continuous batching"
+        rows = f"{args.batch_size} rows" if not args.batch_buckets else f"up to {args.batch_size} rows (batch buckets)"
         share = "" if processes == 1 else f" (process {process} of {processes}: {len(own_requests)} of them)"
-        print(f"{len(requests)} requests from {args.input}{share}, {batching} of {args.batch_size} rows{devices}; "
+        print(f"{len(requests)} requests from {args.input}{share}, {batching} of {rows}{devices}; "
               f"drafter {described}; up to {longest} new tokens", file=sys.stderr)
         summary = own_job.run(own_requests, runner=runner, decode=tokenizer.decode, max_new_tokens=args.max_new_tokens,
                               stop_ids=stops, scheduler_costs=costs, progress=not args.no_progress and multihost.is_lead())
     resumed = f" ({summary['resumed']} already done)" if summary["resumed"] else ""
     tau = "" if summary["tau"] is None else f", τ {summary['tau']:.2f}"
+    rows = "" if summary["mean_batch_rows"] is None else f", {summary['mean_batch_rows']:.2f} rows a step"
     print(f"wrote {summary['requests']} completions to {own_job.output}{resumed}: {summary['completion_tokens']} new "
-          f"tokens in {summary['seconds']:.1f} s (compiling included), {summary['tokens_per_s']:.1f} tokens/s{tau}",
+          f"tokens in {summary['seconds']:.1f} s (compiling included), {summary['tokens_per_s']:.1f} tokens/s{tau}{rows}",
           file=sys.stderr)
     if processes > 1:
         multihost.barrier(f"batch job parts {job.output}")
@@ -585,6 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run the file in fixed batches, each after the last has finished, instead of refilling "
                             "a finished request's row at once (continuous batching): slower, but a resumed job "
                             "redraws nothing, even sampled requests under a threshold or scheduler policy")
+    batch.add_argument("--batch-buckets", action="store_true",
+                       help="run each step at the smallest of 1, 2, 4, ..., --batch-size rows holding the requests "
+                            "in flight, so that the job's tail (and a part of fewer requests) does not pay for idle "
+                            "rows; each size compiles its own programs")
     batch.add_argument("--data-parallel", action="store_true",
                        help="split every batch over all of this host's devices (the batch size a multiple of their count)")
     batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')

@@ -1,20 +1,24 @@
 #!/usr/bin/env python
-"""Continuous batching against fixed batches, side by side, on one batch job.
+"""Fixed batches, continuous batching and batch buckets, side by side, on one batch job.
 
 ``--per-set`` first turns from each of ``--sets`` (default GSM8K, HumanEval, MT-Bench;
 interleaved, so answers of different lengths share every batch), chat-templated, answered
 greedily by the embedded target with ``AutoregressiveGenerator.generate(prompts,
-batch_size=B)`` (what ``dspark batch`` runs), in both modes, alternating ``--rounds`` times on
-one generator: the first round of each mode compiles its shapes (continuous batching has more:
-refill prefills of 1, 2, 4, ... rows and the row insert), later rounds are warm.
+batch_size=B)`` (what ``dspark batch`` runs) in three modes: ``fixed`` (``--fixed-batches``),
+``continuous`` (the default) and ``buckets`` (continuous, ``--batch-buckets``: each step at the
+smallest of 1, 2, 4, ..., B rows holding the requests in flight). The modes alternate
+``--rounds`` times on one generator: the first round of each compiles its shapes (continuous
+batching has more: refill prefills of 1, 2, 4, ... rows and the row insert; buckets more again:
+steps and resizes at every size), later rounds are warm.
 
-Per run: wall seconds, decode steps, prefill and decode seconds, tokens/s. Per job: the
-completion lengths (a fixed batch runs as long as its longest answer; that is what continuous
-batching wins back) and whether both modes produced the same tokens (greedy, target-only: they
-must).
+Per run: wall seconds, decode steps, their mean rows, prefill and decode seconds, tokens/s. Per
+job: the completion lengths (a fixed batch runs as long as its longest answer; that is what
+continuous batching wins back; its tail, fewer requests than rows, is what buckets win back) and
+whether each mode produced the fixed batches' tokens (greedy, target-only: they must, up to float
+rounding across batch sizes with buckets).
 
-Writes JSON (``--out``); the last line printed is ``{"speedup": continuous/fixed tokens/s of the
-last round, "steps": [fixed, continuous], "identical": ...}``.
+Writes JSON (``--out``); the last line printed is ``{"speedup": {mode: its tokens/s over fixed's,
+last round}, "steps": {mode: decode steps}, "identical": {mode: tokens equal to fixed's}}``.
 
     .venv/bin/python scripts/bench_batch.py                            # 8 a set, 256 tokens, B = 8
     .venv/bin/python scripts/bench_batch.py --sets gsm8k --per-set 32 --max-new-tokens 384
@@ -68,6 +72,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+    from dspark_jax.eval.metrics import mean_batch_rows
 
     texts = prompt_texts(args.benchmarks, args.sets, args.per_set)
     target, tokenizer = load_embedded_target()
@@ -75,14 +80,17 @@ def main(argv=None) -> dict:
     generator = AutoregressiveGenerator(target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, batch_size=args.batch_size,
                   max_len=generator.cache_len_for([len(p) for p in prompts], args.max_new_tokens))
+    modes = {"fixed": dict(continuous=False), "continuous": dict(continuous=True),
+             "buckets": dict(continuous=True, batch_buckets=True)}
     runs, tokens = [], {}
     for round_index in range(args.rounds):
-        for mode in ("fixed", "continuous"):
+        for mode, options in modes.items():
             start = time.perf_counter()
-            result = generator.generate(prompts, continuous=mode == "continuous", **kwargs)
+            result = generator.generate(prompts, **options, **kwargs)
             seconds = time.perf_counter() - start
             tokens[mode] = result.tokens
             runs.append({"mode": mode, "round": round_index, "seconds": round(seconds, 2), "steps": result.steps,
+                         "mean_rows": round(mean_batch_rows(result), 3),
                          "prefill_s": round(result.prefill_s, 2), "decode_s": round(result.decode_s, 2),
                          "completion_tokens": result.num_generated,
                          "tokens_per_s": round(result.num_generated / seconds, 2)})
@@ -96,9 +104,9 @@ def main(argv=None) -> dict:
         "runs": runs,
         "completion_lengths": lengths,
         "at_limit": sum(n == args.max_new_tokens for n in lengths),
-        "identical": tokens["fixed"] == tokens["continuous"],
-        "speedup": round(last["continuous"]["tokens_per_s"] / last["fixed"]["tokens_per_s"], 3),
-        "steps": [last["fixed"]["steps"], last["continuous"]["steps"]],
+        "identical": {mode: tokens[mode] == tokens["fixed"] for mode in modes},
+        "speedup": {mode: round(last[mode]["tokens_per_s"] / last["fixed"]["tokens_per_s"], 3) for mode in modes},
+        "steps": {mode: last[mode]["steps"] for mode in modes},
     }
     write_json(args.out, report, indent=2)
     print(json.dumps({k: report[k] for k in ("speedup", "steps", "identical")}))

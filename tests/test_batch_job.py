@@ -4,6 +4,7 @@ device, split over eight, or shared by two processes."""
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +48,11 @@ def cut_after(output: Path, whole_lines: int, extra_bytes: int) -> None:
     output.write_bytes(data[:keep])
 
 
+def rows_a_step(capsys) -> list[float]:
+    """The mean batch rows of each ``dspark batch`` run since the last read of the output."""
+    return [float(rows) for rows in re.findall(r"([0-9.]+) rows a step", capsys.readouterr().err)]
+
+
 def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_same_file(
         tmp_path, capsys, shared_target):
     inputs, output = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out.jsonl"
@@ -66,6 +72,17 @@ def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_sa
     # batches write the file continuous batching wrote.
     batch(inputs, tmp_path / "fixed.jsonl", "--fixed-batches")
     assert (tmp_path / "fixed.jsonl").read_bytes() == full
+    assert rows_a_step(capsys) == [2.0, 2.0]
+    # Batch buckets: the job's tail runs at one row, and a resumed job picks up there; the tokens
+    # equal those of fixed rows up to float rounding, so here exactly.
+    buckets = tmp_path / "buckets.jsonl"
+    batch(inputs, buckets, "--batch-buckets")
+    assert buckets.read_bytes() == full
+    cut_after(buckets, 3, 10)
+    batch(inputs, buckets, "--batch-buckets")
+    assert buckets.read_bytes() == full
+    rows = rows_a_step(capsys)
+    assert len(rows) == 2 and all(1.0 < r < 2.0 for r in rows)
 
     for whole_lines, extra in ((3, 25), (2, 0)):  # killed while writing a batch; killed between batches
         cut_after(output, whole_lines, extra)
@@ -81,10 +98,12 @@ def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_o
     """The scheduler weighs every row of a batch, so a sampled request's tokens depend on its
     batch: fixed batches, rerun whole from the one the kill cut short, reproduce them."""
     inputs, output = write_requests(tmp_path / "requests.jsonl", REQUESTS[:3]), tmp_path / "out.jsonl"
-    spec = ("--drafter", str(random_drafter_dir), "--policy", "scheduler", "--fixed-batches")
+    spec = ("--drafter", str(random_drafter_dir), "--policy", "scheduler", "--fixed-batches", "--batch-buckets")
     batch(inputs, output, *spec)
     costs = json.loads((tmp_path / "out.jsonl.job.json").read_text())["scheduler_costs"]
-    assert set(costs) == {"2"} and set(costs["2"]) == {"0", "1", "2", "4", "8"}  # timed at the job's batch size
+    # Timed at every size the job runs at: the second batch, one request, runs at one row.
+    assert set(costs) == {"1", "2"} and all(set(costs[b]) == {"0", "1", "2", "4", "8"} for b in costs)
+    assert 1.0 < rows_a_step(capsys)[0] < 2.0
     full = output.read_bytes()
     assert "Paris" in records(output)[0]["completion"]
 

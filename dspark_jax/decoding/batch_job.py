@@ -15,20 +15,27 @@ Output: one line per request, in input order: ``{"index", "id"?, "completion", "
 The requests run in batches of ``batch_size`` rows with continuous batching: when a request
 finishes, the next one in the file is prefilled into its row between steps, so short answers do
 not leave rows idle while long ones finish (``continuous=False``: fixed batches of the file, in
-order, each starting once the last has finished). Each finished request's line is appended and
-synced as soon as every earlier request's is (the file stays in input order); the settings and
-the scheduler's cost table are kept next to the output (``<output>.job.json``).
+order, each starting once the last has finished). With ``batch_buckets`` (``dspark batch
+--batch-buckets``) each step runs at the smallest of 1, 2, 4, ..., ``batch_size`` rows that holds
+the requests in flight, so that the job's tail does not pay for idle rows. Each finished
+request's line is appended and synced as soon as every earlier request's is (the file stays in
+input order); the settings and the scheduler's cost table are kept next to the output
+(``<output>.job.json``).
 
 A job that is killed resumes where it stopped when run again with the same settings: a
 half-written last line is cut and the requests already written are skipped. A request's tokens
 depend on its prompt, its sampling and its seed (``"seed"``, or the job's seed plus its index), so
-the resumed file is byte for byte the one an uninterrupted run writes, with one exception: a
-sampled request under a ``threshold`` or ``scheduler`` policy, whose verify lengths (and so its
-random draws) weigh the other requests in flight. With continuous batching those differ after a
-resume, and such requests are drawn again, from the same exact distribution; with fixed batches
-(and the job's recorded cost table) they are reproduced too. Different settings, another input
-or an output file that no job wrote are refused rather than mixed into it, and so is a second run
-while one is writing the output (it holds ``<output>.lock``; a killed run's lock goes with it).
+the resumed file is byte for byte the one an uninterrupted run writes, with two exceptions, both
+under continuous batching, where the requests in flight beside a request differ after a resume.
+A sampled request under a ``threshold`` or ``scheduler`` policy, whose verify lengths (and so its
+random draws) weigh the other requests in flight, is drawn again, from the same exact
+distribution. With batch buckets, the batch sizes a request runs at depend on the requests in
+flight, and a batch size is part of every compiled shape: a resumed request's logits equal the
+uninterrupted run's up to float rounding (so a token may differ where two are all but tied;
+``docs/EXACTNESS.md``). Fixed batches, rerun whole from the one a kill cut short (with the job's
+recorded cost table), reproduce both. Different settings, another input or an output file that
+no job wrote are refused rather than mixed into it, and so is a second run while one is writing
+the output (it holds ``<output>.lock``; a killed run's lock goes with it).
 
 Only a newline (LF, or CRLF) ends a line of the input or the output: a JSON string may hold
 U+2028, U+2029 or U+0085 raw, which ``str.splitlines`` would split on.
@@ -52,7 +59,7 @@ from pathlib import Path
 
 from dspark_jax import multihost
 from dspark_jax.config import SamplingConfig, write_json
-from dspark_jax.eval.metrics import tau_of
+from dspark_jax.eval.metrics import mean_batch_rows, tau_of
 from dspark_jax.sampling import seed_fits
 
 FORMAT = "dspark-jax-batch-job"
@@ -256,8 +263,10 @@ class BatchJob:
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {self.batch_size!r}")
         self.continuous = settings.get("continuous", True)
-        if not isinstance(self.continuous, bool):
-            raise ValueError(f"continuous must be a bool, got {self.continuous!r}")
+        self.batch_buckets = settings.get("batch_buckets", False)
+        for name, value in (("continuous", self.continuous), ("batch_buckets", self.batch_buckets)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
         if not self.input_path.is_file():
             raise FileNotFoundError(f"request file {self.input_path} does not exist")
         self.manifest = {"format": FORMAT, "version": VERSION, "input": str(self.input_path),
@@ -417,11 +426,11 @@ class BatchJob:
                 result = None if not todo else runner.generate(
                     [r.ids for r in todo], max_new_tokens=limits[first:], sampling=[r.sampling for r in todo],
                     seeds=[r.seed for r in todo], stop_ids=stop_ids, max_len=max_len, batch_size=self.batch_size,
-                    continuous=self.continuous, on_finish=on_finish,
+                    continuous=self.continuous, batch_buckets=self.batch_buckets, on_finish=on_finish,
                 )
         bar.close()
         elapsed = time.perf_counter() - start
         committed = getattr(result, "committed_per_round", None)  # speculative: τ over every request-round
         return {"requests": len(requests), "resumed": resumed, "completion_tokens": generated, "seconds": elapsed,
                 "tokens_per_s": generated / elapsed if elapsed > 0 else float("nan"),
-                "tau": None if not committed else tau_of(committed)}
+                "tau": None if not committed else tau_of(committed), "mean_batch_rows": mean_batch_rows(result)}

@@ -27,6 +27,7 @@ import numpy as np
 
 from dspark_jax.config import as_int
 from dspark_jax.decoding.autoregressive import prompt_width
+from dspark_jax.eval.metrics import mean_batch_rows
 
 
 def poisson_arrivals(count: int, rate_per_s: float, seed: int = 0) -> np.ndarray:
@@ -103,9 +104,9 @@ class ServingRun:
             "ttft_s": spread(self.ttft_s),
             "tpot_s": spread(self.tpot_s),
         }
-        rows = getattr(self.result, "rows_per_round", None) or getattr(self.result, "rows_per_step", None)
-        if rows:  # how full the batch ran: with batch buckets, the sizes it took
-            out["mean_batch_rows"] = float(np.mean(rows))
+        rows = mean_batch_rows(self.result)
+        if rows is not None:
+            out["mean_batch_rows"] = rows
         if hasattr(self.result, "tau"):
             out |= {"tau": self.result.tau, "width_histogram": dict(self.result.width_histogram)}
         return out

@@ -97,6 +97,13 @@ def tau_of(committed_per_round) -> float:
     return float(np.mean(committed)) if committed.size else float("nan")
 
 
+def mean_batch_rows(result) -> float | None:
+    """How full a generation's batch ran: the mean rows of its steps (target-only) or rounds
+    (speculative), which batch buckets make smaller than its batch size. None without steps."""
+    rows = getattr(result, "rows_per_round", None) or getattr(result, "rows_per_step", None)
+    return float(np.mean(rows)) if rows else None
+
+
 def width_histogram(widths: list[int]) -> dict[int, int]:
     """How many rounds ran each verify width."""
     values, counts = np.unique(np.asarray(widths, int), return_counts=True)
