@@ -1,6 +1,8 @@
 """HF checkpoint round trips, the tensor inventory check, config translation, GGUF helpers."""
 
+import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,17 @@ from dspark_jax.checkpoints.hf import (
     module_from_hf_tensors,
     save_hf_checkpoint,
 )
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.models.layers import rope_inverse_frequencies
 from dspark_jax.models.target import TargetModel
-from tests.tiny import gguf_tensors, llama_cpp_permute, tiny_config, tiny_target, write_gguf
+from tests.tiny import (
+    gguf_tensors,
+    llama_cpp_permute,
+    llama_cpp_rope_freqs,
+    tiny_config,
+    tiny_target,
+    write_gguf,
+)
 
 QWEN3 = dict(qk_norm=True, head_dim=24, tie_word_embeddings=False, architecture="qwen3")
 
@@ -194,14 +204,48 @@ def test_hf_config_translation():
                                                        original_max_position_embeddings=8192)))
 
 
-def test_a_gguf_with_llama31_rope_factors_is_refused_by_name(tmp_path):
-    def llama31(writer):
+LLAMA31_ROPE = dict(head_dim=32, rope_theta=500000.0, max_position_embeddings=16384,
+                   rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=2048))
+
+
+@pytest.mark.parametrize("rope", [LLAMA31_ROPE, dict(LLAMA31_ROPE, rope_scaling=RopeScaling(32.0, 2.0, 16.0, 4096))],
+                         ids=["llama3.1", "scaled"])
+def test_a_gguf_of_llama31_loads_its_rope_scaling_from_the_divisors_llama_cpp_stores(tmp_path, rope):
+    """Llama 3.1 and 3.2 GGUFs hold their RoPE scaling as each frequency's divisor
+    (``rope_freqs.weight``): the loader finds the HF parameters that give them (low_freq_factor 1,
+    the others scaled to match), so the model rotates as the HF one does."""
+    from dspark_jax.checkpoints.gguf import load_gguf
+
+    target = tiny_target(seed=4, **GGUF_SIZES, **rope)
+    tensors = {**gguf_tensors(target), "rope_freqs.weight": llama_cpp_rope_freqs(
+        target.cfg.rope_scaling, target.cfg.head_dim, target.cfg.rope_theta)}
+    loaded, _ = load_gguf(write_gguf(tmp_path / "llama31.gguf", target.cfg, tensors), cache=False)
+    scaling = target.cfg.rope_scaling
+    low = scaling.low_freq_factor  # (L, low, high) / low give the same frequencies
+    assert loaded.cfg == dataclasses.replace(target.cfg, rope_scaling=RopeScaling(
+        scaling.factor, 1.0, scaling.high_freq_factor / low, round(scaling.original_max_position_embeddings / low)))
+    frequencies = [np.asarray(rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+                   for cfg in (loaded.cfg, target.cfg)]
+    np.testing.assert_allclose(*frequencies, rtol=1e-6)
+    assert not np.allclose(frequencies[1], rope_inverse_frequencies(32, 500000.0)), "the test lost its point"
+
+
+@pytest.mark.parametrize("divisors, why", [
+    (np.linspace(1.0, 0.5, 8), "does not follow Llama 3's RoPE scaling"),
+    (np.r_[np.ones(4), np.full(4, 8.0)], "fewer than two divisors between 1 and the largest"),
+    (np.ones(5), "has 5 values; heads of size 16 have 8 rotary pairs"),
+])
+def test_a_gguf_whose_rope_divisors_are_not_llama3s_is_refused_by_name(tmp_path, divisors, why):
+    def scaled(writer):
         writer.add_head_count(4)
         writer.add_embedding_length(64)
-        writer.add_tensor("rope_freqs.weight", np.ones(8, np.float32))
+        writer.add_feed_forward_length(128)
+        writer.add_block_count(2)
+        writer.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
 
-    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
-        config_from_gguf(metadata_gguf(tmp_path / "llama31.gguf", llama31))
+    with pytest.raises(ValueError, match=r"rope_freqs.weight .*" + re.escape(why)):
+        config_from_gguf(metadata_gguf(tmp_path / "scaled.gguf", scaled))
 
 
 def metadata_gguf(path, fill):

