@@ -59,7 +59,7 @@ def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, 
     from dspark_jax.eval.compare import load_drafter_spec, policy_for
 
     try:
-        name, drafter = load_drafter_spec(spec, target.cfg)
+        name, drafter = load_drafter_spec(spec, target.cfg, dtype=target.dtype)  # the target's dtype
         chosen, note = policy_for(drafter.cfg, policy, directory=resolve_drafter(spec)[1], sampling=sampling)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
@@ -123,7 +123,7 @@ def cmd_generate(args) -> int:
     sampling = sampling_from_args(args)
     if args.drafter is not None:
         check_drafter_arg(args.drafter)
-    target, tokenizer = load_target(args.checkpoint)
+    target, tokenizer = load_target(args.checkpoint, args.dtype)
     ids = _encode(tokenizer, args.prompt, args.chat)
     stops = tokenizer.stop_ids
     if args.drafter is not None:
@@ -194,13 +194,14 @@ def cmd_batch(args) -> int:
         "checkpoint": args.checkpoint, "drafter": args.drafter, "policy": args.policy, "chat": args.chat,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "continuous": not args.fixed_batches,
-        # Recorded only when on, so that jobs started before the option existed still resume.
-        **({"batch_buckets": True} if args.batch_buckets else {})})
+        # Recorded only when not the default, so that jobs started before the options existed still resume.
+        **({"batch_buckets": True} if args.batch_buckets else {}),
+        **({"dtype": args.dtype} if args.dtype != "float32" else {})})
     process, processes = jax.process_index(), jax.process_count()
     own_job = job if processes == 1 else job.part(process, processes)
     # A second copy of a running job is refused here, before it loads the model or profiles.
     with own_job.hold():
-        target, tokenizer = load_target(args.checkpoint)
+        target, tokenizer = load_target(args.checkpoint, args.dtype)
         requests = batch_job.read_requests(args.input, tokenizer, chat=args.chat, sampling=sampling, seed=args.seed)
         own_requests = multihost.share(requests)
         if not own_requests:
@@ -283,7 +284,7 @@ def cmd_bench(args) -> int:
     else:
         texts = list(DEMO_PROMPTS[: args.prompts])
     check_drafter_arg(args.drafter or DEFAULT)
-    target, tokenizer = load_target(args.checkpoint)
+    target, tokenizer = load_target(args.checkpoint, args.dtype)
     name, drafter, policy, note = load_drafter_arg(args.drafter or DEFAULT, target, policy, sampling=sampling)
     if note:
         print(f"note: {note}")
@@ -409,7 +410,7 @@ def cmd_profile(args) -> int:
     sampling = sampling_from_args(args)
     check_drafter_arg(args.drafter)
     cost_table_path(args.out)  # before minutes of profiling, not after
-    target, _ = load_target(args.checkpoint)
+    target, _ = load_target(args.checkpoint, args.dtype)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size),
                                  verify_widths=args.widths)
@@ -419,7 +420,7 @@ def cmd_profile(args) -> int:
                                             sampling=sampling)
         print(f"B={batch}: " + ", ".join(f"{_width_name(w)} {s * 1e3:.1f} ms" for w, s in tables[batch].items()))
     path = save_cost_tables(args.out, tables, drafter=name, max_len=args.max_len, repeats=args.repeats,
-                            sampling=sampling.describe(),
+                            sampling=sampling.describe(), dtype=args.dtype,
                             statistic="median seconds of a draft + verify round", machine=machine_info())
     print(f"wrote {path}; use it with --policy scheduler:{path}")
     return 0
@@ -442,7 +443,7 @@ def cmd_calibrate(args) -> int:
     except ValueError as error:
         raise ValueError(f"the calibration goes to {directory}, but {error}"
                          + ("" if args.out_dir else "; choose another place with --out-dir")) from None
-    target, tokenizer = load_target(args.checkpoint)
+    target, tokenizer = load_target(args.checkpoint, args.dtype)
     name, drafter, _, _ = load_drafter_arg(args.drafter, target)
     if not drafter.cfg.confidence_head:
         raise SystemExit(f"--drafter {args.drafter!r}: a {drafter.cfg.kind} drafter has no confidence head to calibrate")
@@ -553,6 +554,9 @@ def sampling_from_args(args):
 
 def add_checkpoint_argument(parser) -> None:
     parser.add_argument("--checkpoint", default=None, help="the target: a GGUF file or HF directory (default: embedded SmolLM2)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
+                        help="the weights' dtype, the target's and the drafter's (default float32): bfloat16 halves "
+                             "their memory on a GPU or TPU; a CPU without bf16 arithmetic runs it several times slower")
 
 
 def add_model_arguments(parser) -> None:

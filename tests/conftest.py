@@ -92,6 +92,6 @@ def random_drafter_dir(embedded_target, tmp_path_factory):
 @pytest.fixture
 def shared_target(monkeypatch, embedded_target):
     """The CLI and the scripts reuse the session's embedded target instead of loading it again."""
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": embedded_target)
     monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: embedded_target)
     return embedded_target

@@ -214,6 +214,9 @@ def test_jobs_refuse_to_mix_settings_inputs_or_other_files(tmp_path, capsys, sha
     assert "belongs to a job with other settings (temperature: was 0.0, now 0.5)" in capsys.readouterr().err
     assert main([*base, "--fixed-batches"]) == 2
     assert "(continuous: was True, now False)" in capsys.readouterr().err
+    # Options a job records only when set (jobs written before them still resume) are settings too.
+    assert main([*base, "--batch-buckets", "--dtype", "bfloat16"]) == 2
+    assert "(batch_buckets: was None, now True; dtype: was None, now 'bfloat16')" in capsys.readouterr().err
     output.write_text(before.decode().replace('"index": 0', '"index": 1'))
     assert main(base) == 2
     assert "out.jsonl:1: index 1 where this job writes 0" in capsys.readouterr().err
@@ -347,7 +350,7 @@ def test_dspark_batch_refuses_a_second_copy_before_loading_the_model(tmp_path, m
 
     inputs, output = write_requests(tmp_path / "requests.jsonl"), tmp_path / "out.jsonl"
     loads = []
-    monkeypatch.setattr(cli, "load_target", lambda checkpoint: loads.append(checkpoint) or pytest.fail("loaded"))
+    monkeypatch.setattr(cli, "load_target", lambda checkpoint, dtype: loads.append(checkpoint) or pytest.fail("loaded"))
     with BatchJob(inputs, output, {"batch_size": 2}).hold():
         assert main(["batch", "--input", str(inputs), "--output", str(output), "--batch-size", "2",
                      "--no-progress"]) == 2

@@ -459,6 +459,11 @@ def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, 
     assert converted.cfg == from_gguf.cfg == target.cfg
     np.testing.assert_array_equal(logits_of(converted), logits_of(from_gguf))
     np.testing.assert_allclose(logits_of(converted), logits_of(target), atol=0.1)  # Q8_0: close, not equal
+    for checkpoint in (path, tmp_path / "hf"):  # --dtype bfloat16: the same weights, rounded once
+        half, _ = cli.load_target(str(checkpoint), "bfloat16")
+        assert half.dtype == jnp.bfloat16 and half.cfg == target.cfg
+        for got, want in zip(half.params, converted.params, strict=True):
+            np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
 
 
 def test_a_config_without_head_dim_or_positions_takes_transformers_defaults():

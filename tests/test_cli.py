@@ -19,7 +19,7 @@ def target_only_france(embedded_target):
     """``(stdout, stderr)`` of ``dspark generate`` on FRANCE without a drafter (run once, shared)."""
     out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        patch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+        patch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": embedded_target)
         assert main(["generate", *FRANCE]) == 0
     return out.getvalue(), err.getvalue()
 
@@ -37,7 +37,7 @@ def test_generate_stops_at_the_models_end_of_turn_tokens(capsys, monkeypatch, em
     [paris] = tokenizer.encode(" Paris", add_bos=False)
     stopping = copy.copy(tokenizer)
     stopping.end_of_turn_ids = (paris,)
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: (target, stopping))
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": (target, stopping))
     assert main(["generate", *FRANCE]) == 0
     out, err = capsys.readouterr()
     assert "Paris." in target_only_france[0], "without it the answer goes on past Paris"
@@ -55,7 +55,7 @@ def test_generate_streams_its_text_and_reads_a_prompt_from_stdin(monkeypatch, em
             return super().write(text)
 
     out = Recorder()
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: embedded_target)
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": embedded_target)
     monkeypatch.setattr("sys.stdin", io.StringIO(FRANCE[1]))
     with contextlib.redirect_stdout(out):
         assert main(["generate", "--prompt", "-", *FRANCE[2:]]) == 0
@@ -268,7 +268,8 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--temperature", "1", "--top-k", "20",
                  "--out", str(costs)]) == 0
     assert sorted(load_cost_tables(costs)[1]) == [0, 1, 2, 4, 8]  # 0: a round without a draft
-    assert json.loads(costs.read_text())["sampling"] == "T=1 top-k 20"
+    table = json.loads(costs.read_text())
+    assert table["sampling"] == "T=1 top-k 20" and table["dtype"] == "float32"
     assert main(["calibrate", "--drafter", str(drafter), "--prompts", "2", "--max-new-tokens", "8",
                  "--exclude-config", str(REPO / "configs" / "tiny_test.py")]) == 0
     entry = json.loads((drafter / "calibration.json").read_text())["greedy"]
@@ -289,7 +290,7 @@ def test_calibrate_and_profile_refuse_where_they_could_not_write_before_working(
     so does profile, given a directory for its table."""
     import shutil
 
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None: pytest.fail("loaded the model"))
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": pytest.fail("loaded the model"))
     drafter = tmp_path / "drafter"
     shutil.copytree(random_drafter_dir, drafter)
     (drafter / "calibration.json").write_text("{half")
@@ -559,22 +560,42 @@ def test_eval_long_answers_refuses_unknown_mixes_and_training_seeds(embedded_tar
         script.mix_prompts(args, embedded_target[1])
 
 
-@pytest.mark.parametrize("command", [["bench"], ["profile", "--out", "costs.json"], ["calibrate"]],
-                         ids=lambda c: c[0])
-def test_bench_profile_and_calibrate_take_the_users_target(command, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("command", [["generate", "--prompt", "Hi"], ["batch", "--input", "in.jsonl", "--output", "o"],
+                                     ["bench"], ["profile", "--out", "costs.json"], ["calibrate"]], ids=lambda c: c[0])
+@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16"]], ids=["float32", "bfloat16"])
+def test_every_command_takes_the_users_target_in_the_dtype_asked(command, dtype, monkeypatch, capsys, tmp_path):
     """A drafter trained for your own target (``TrainConfig(target_checkpoint=...)``) is profiled,
-    calibrated and benchmarked on that target, as generate and batch decode with it."""
+    calibrated and benchmarked on that target, as generate and batch decode with it; ``--dtype``
+    chooses its weights' dtype."""
     loaded = []
 
-    def load_target(checkpoint=None):
-        loaded.append(checkpoint)
+    def load_target(checkpoint=None, dtype="float32"):
+        loaded.append((checkpoint, dtype))
         raise ValueError("stopped after choosing the target")
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "Hi"}\n')
     monkeypatch.setattr("dspark_jax.cli.load_target", load_target)
-    assert main([*command, "--checkpoint", "my_model.gguf"]) == 2
-    assert loaded == ["my_model.gguf"]
+    assert main([*command, "--checkpoint", "my_model.gguf", *dtype]) == 2
+    assert loaded == [("my_model.gguf", dtype[-1] if dtype else "float32")]
     assert "stopped after choosing the target" in capsys.readouterr().err
+
+
+def test_a_drafter_takes_its_targets_dtype(embedded_target, random_drafter_dir):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dspark_jax.cli import load_drafter_arg
+    from dspark_jax.models.target import TargetModel
+
+    target, _ = embedded_target
+    half = TargetModel(target.cfg, target.graphdef, target.treedef, [p.astype(jnp.bfloat16) for p in target.params])
+    for model in (target, half):
+        _, drafter, _, _ = load_drafter_arg(str(random_drafter_dir), model)
+        dtypes = {leaf.dtype for leaf in jax.tree.leaves(nnx.state(drafter, nnx.Param))
+                  if jnp.issubdtype(leaf.dtype, jnp.floating)}
+        assert dtypes == {model.dtype}, dtypes
 
 
 def test_a_scheduler_is_timed_on_the_cache_it_decodes_with(monkeypatch, shared_target, random_drafter_dir):

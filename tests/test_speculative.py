@@ -20,6 +20,7 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
+from dspark_jax.models.target import TargetModel
 from dspark_jax.sampling import SamplingParams
 from tests.multidevice import run_on_eight_devices
 from tests.prompts import mixed_prompts, random_drafter
@@ -208,6 +209,25 @@ def test_a_drafter_with_its_own_head_counts_serves_the_target(tiny):
     assert result.tokens == reference.tokens and result.tau > 1.0
 
 
+def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
+    """``--dtype bfloat16``: the target and drafter in bf16. Strict mode's verify and its
+    reference's target-only steps run the same shapes, so greedy speculative decoding is token for
+    token the bf16 target's, whose KV cache is bf16 too."""
+    target = sharp_tiny_target(scale=4.0)  # peaked enough to accept drafts, not so much as to repeat one token
+    half = TargetModel(target.cfg, target.graphdef, target.treedef, [p.astype(jnp.bfloat16) for p in target.params])
+    cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 1), mask_token_id=5, block_size=3,
+                                   markov_rank=4)
+    half_drafter = Drafter(cfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16 and half.new_cache(1, 8).keys[0].dtype == jnp.bfloat16
+    decoder = SpeculativeDecoder(half, half_drafter, policy=FixedPolicy(3), strict=True)
+    prompts = [[3, 1, 4], [2, 7, 1, 8, 2]]
+    result = decoder.generate(prompts, max_new_tokens=16, max_len=48)
+    reference = decoder.reference_generator().generate(prompts, max_new_tokens=16, max_len=48)
+    assert result.tokens == reference.tokens and result.tau > 1.0
+    float32 = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=16, max_len=48)
+    assert float32.tokens != reference.tokens, "bf16 rounding changed no token: the test cannot tell the dtypes apart"
+
+
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):
     """A broken ``SpeculativeDrafter`` is named at its first bad draft, not decoded around."""
     target, drafter = tiny
@@ -339,6 +359,7 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
         from dspark_jax.decoding.speculative import NO_FLOOR, FixedPolicy, SpeculativeDecoder, stop_id_array
         from dspark_jax.drafter.model import Drafter
+from dspark_jax.models.target import TargetModel
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
         from dspark_jax.scheduler.profile import profile_round_costs

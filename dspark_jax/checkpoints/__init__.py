@@ -17,24 +17,25 @@ def save_safetensors(tensors, path, metadata: dict[str, str] | None = None) -> N
     os.chmod(path, 0o666 & ~umask)
 
 
-def load_target(checkpoint: str | os.PathLike | None):
+def load_target(checkpoint: str | os.PathLike | None, dtype="float32"):
     """``(target, tokenizer)``: the embedded SmolLM2 target for None, else a GGUF file or an HF
-    checkpoint directory (its tokenizer read first, so that a missing one fails fast)."""
+    checkpoint directory (its tokenizer read first, so that a missing one fails fast), with its
+    weights in ``dtype``."""
     from pathlib import Path
 
     if checkpoint is None:
         from dspark_jax.checkpoints.gguf import load_embedded_target
 
-        return load_embedded_target()
+        return load_embedded_target(dtype)
     path = Path(checkpoint)
     if path.is_file() and path.suffix == ".gguf":
         from dspark_jax.checkpoints.gguf import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, dtype)
     if path.is_dir():
         from dspark_jax.checkpoints.hf import load_hf_checkpoint
         from dspark_jax.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_directory(path)
-        return load_hf_checkpoint(path), tokenizer
+        return load_hf_checkpoint(path, dtype), tokenizer
     raise ValueError(f"a target checkpoint is a .gguf file or an HF checkpoint directory, got {str(checkpoint)!r}")

@@ -65,8 +65,8 @@ def read_prompts_jsonl(path, limit: int | None = None) -> list[str]:
     return prompts
 
 
-def load_drafter_spec(spec: str, target_cfg):
-    """``(name, drafter)`` from a shipped drafter name or a checkpoint directory.
+def load_drafter_spec(spec: str, target_cfg, *, dtype="float32"):
+    """``(name, drafter)`` from a shipped drafter name or a checkpoint directory, its weights in ``dtype``.
 
     Raises ``ValueError`` / ``FileNotFoundError`` with a message that names the problem (unknown
     name, drafter not shipped yet, not a checkpoint, does not fit the target).
@@ -75,7 +75,7 @@ def load_drafter_spec(spec: str, target_cfg):
     from dspark_jax.drafters import resolve_drafter
 
     name, path = resolve_drafter(spec)
-    return name, load_drafter(path, target=target_cfg)
+    return name, load_drafter(path, target=target_cfg, dtype=dtype)
 
 
 def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):

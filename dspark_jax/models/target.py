@@ -168,8 +168,13 @@ class TargetModel:
         module.cfg = dataclasses.replace(self.cfg, num_layers=num_layers)
         return TargetModel.from_module(module)
 
+    @property
+    def dtype(self):
+        """The weights' dtype, which the KV cache and activations take."""
+        return self.params[0].dtype
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache.create(self.cfg, batch, max_len, self.params[0].dtype)
+        return KVCache.create(self.cfg, batch, max_len, self.dtype)
 
     @property
     def num_params(self) -> int:
