@@ -227,11 +227,14 @@ def test_gguf_pre_tokenizers_split_text_as_their_families_tokenizers_do(tmp_path
                                 [gguf.TokenType.CONTROL] + [gguf.TokenType.NORMAL] * (len(tokens) - 1),
                                 merges=FAMILY_MERGES, pre=pre, metadata=lambda writer: writer.add_bos_token_id(0))
     bos = [0] if pre == "llama-bpe" else []  # llama.cpp adds BOS for Llama 3 unless the file says not to
-    for text, want in pieces.items():
-        assert tokenizer.encode(text) == bos + [tokens.index(piece) for piece in want], text
-    # Qwen2 normalises to NFC, as its tokenizer.json does: "e" + a combining acute is "é".
-    composed, decomposed = tokenizer.encode("é"), tokenizer.encode("e\u0301")
-    assert (composed == decomposed) == (pre == "qwen2")
+    # The converted copy that later loads read (load_gguf) is this tokenizer saved: it splits alike.
+    tokenizer.save(tmp_path / "copy")
+    for loaded in (tokenizer, Tokenizer.from_directory(tmp_path / "copy")):
+        for text, want in pieces.items():
+            assert loaded.encode(text) == bos + [tokens.index(piece) for piece in want], text
+        # Qwen2 normalises to NFC, as its tokenizer.json does: "e" + a combining acute is "é".
+        composed, decomposed = loaded.encode("é"), loaded.encode("e\u0301")
+        assert (composed == decomposed) == (pre == "qwen2")
 
 
 def test_a_llama3_gguf_that_says_so_adds_no_bos_and_an_unknown_pre_tokenizer_is_named(tmp_path):
