@@ -89,9 +89,38 @@ def random_drafter_dir(embedded_target, tmp_path_factory):
     return save_drafter(drafter, tmp_path_factory.mktemp("drafters") / "random_dspark")
 
 
+def _serve_target(monkeypatch, pair):
+    """Have the CLI and the scripts load ``pair`` (target, tokenizer) as the default target."""
+    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": pair)
+    monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: pair)
+    return pair
+
+
 @pytest.fixture
 def shared_target(monkeypatch, embedded_target):
     """The CLI and the scripts reuse the session's embedded target instead of loading it again."""
-    monkeypatch.setattr("dspark_jax.cli.load_target", lambda checkpoint=None, dtype="float32": embedded_target)
-    monkeypatch.setattr("dspark_jax.checkpoints.gguf.load_embedded_target", lambda *a, **k: embedded_target)
-    return embedded_target
+    return _serve_target(monkeypatch, embedded_target)
+
+
+@pytest.fixture(scope="session")
+def shallow_target(embedded_target):
+    """The embedded target's first 4 of 30 layers, with its tokenizer: for tests of what does not
+    depend on depth (warm-up, scripts' bookkeeping, sampled paths), at a fraction of the compiling."""
+    target, tokenizer = embedded_target
+    return target.truncated(4), tokenizer
+
+
+@pytest.fixture(scope="session")
+def shallow_drafter_dir(shallow_target, tmp_path_factory):
+    """An untrained DSpark drafter for ``shallow_target``, saved as a checkpoint directory."""
+    from dspark_jax.checkpoints.drafter import save_drafter
+    from tests.prompts import random_drafter
+
+    drafter = random_drafter(shallow_target[0].cfg, tap_layers=(1, 2))
+    return save_drafter(drafter, tmp_path_factory.mktemp("shallow_drafters") / "random_dspark")
+
+
+@pytest.fixture
+def shared_shallow_target(monkeypatch, shallow_target):
+    """The CLI and the scripts load ``shallow_target`` as the default target."""
+    return _serve_target(monkeypatch, shallow_target)

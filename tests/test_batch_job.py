@@ -94,18 +94,17 @@ def test_batch_answers_every_request_in_order_and_a_killed_job_resumes_to_the_sa
 
 
 def test_a_resumed_scheduled_job_in_fixed_batches_keeps_its_cost_table_and_its_outputs(
-        tmp_path, monkeypatch, capsys, shared_target, random_drafter_dir):
+        tmp_path, monkeypatch, capsys, shared_shallow_target, shallow_drafter_dir):
     """The scheduler weighs every row of a batch, so a sampled request's tokens depend on its
     batch: fixed batches, rerun whole from the one the kill cut short, reproduce them."""
     inputs, output = write_requests(tmp_path / "requests.jsonl", REQUESTS[:3]), tmp_path / "out.jsonl"
-    spec = ("--drafter", str(random_drafter_dir), "--policy", "scheduler", "--fixed-batches", "--batch-buckets")
+    spec = ("--drafter", str(shallow_drafter_dir), "--policy", "scheduler", "--fixed-batches", "--batch-buckets")
     batch(inputs, output, *spec)
     costs = json.loads((tmp_path / "out.jsonl.job.json").read_text())["scheduler_costs"]
     # Timed at every size the job runs at: the second batch, one request, runs at one row.
     assert set(costs) == {"1", "2"} and all(set(costs[b]) == {"0", "1", "2", "4", "8"} for b in costs)
     assert 1.0 < rows_a_step(capsys)[0] < 2.0
     full = output.read_bytes()
-    assert "Paris" in records(output)[0]["completion"]
 
     # Timed anew, the table would choose other verify lengths and other sampled tokens.
     def must_not_run(*args, **kwargs):

@@ -255,15 +255,14 @@ def test_scheduler_policy_gets_the_drafters_calibrations(tmp_path):
     assert policy_for(dspark, SchedulerPolicy(calibrations=given), directory=tmp_path)[0].calibrations == given
 
 
-def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, target_only_france, shared_target,
-                                                              random_drafter_dir):
+def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, shared_shallow_target,
+                                                              shallow_drafter_dir):
     import shutil
 
     from dspark_jax.scheduler.profile import load_cost_tables
 
-    plain, _ = target_only_france
     drafter = tmp_path / "drafter"
-    shutil.copytree(random_drafter_dir, drafter)
+    shutil.copytree(shallow_drafter_dir, drafter)
     costs = tmp_path / "costs.json"
     assert main(["profile", "--drafter", str(drafter), "--repeats", "1", "--temperature", "1", "--top-k", "20",
                  "--out", str(costs)]) == 0
@@ -277,6 +276,8 @@ def test_profile_calibrate_and_schedule_from_the_command_line(capsys, tmp_path, 
     assert len(entry["temperatures"]) == len(entry["biases"]) == 7 and entry["rounds"] > 0
     assert entry["method"] == "platt" and len(entry["ece_after"]) == len(entry["log_loss_after"]) == 7
     capsys.readouterr()
+    assert main(["generate", *FRANCE]) == 0
+    plain = capsys.readouterr().out
     assert main(["generate", *FRANCE, "--drafter", str(drafter), "--policy", f"scheduler:{costs}"]) == 0
     out, err = capsys.readouterr()
     assert out == plain  # greedy: the target's text, whatever the scheduler verified
@@ -304,11 +305,11 @@ def test_calibrate_and_profile_refuse_where_they_could_not_write_before_working(
     assert main(["calibrate", "--drafter", str(drafter)]) == 2
     assert f"but {drafter} is not writable; choose another place with --out-dir" in capsys.readouterr().err
 
-def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
+def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared_shallow_target, shallow_drafter_dir):
     script = load_script("bench_speculative")
     out = tmp_path / "bench.json"
     argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"),
-            "--drafter", str(random_drafter_dir), "--max-new-tokens", "4", "--out", str(out)]
+            "--drafter", str(shallow_drafter_dir), "--max-new-tokens", "4", "--out", str(out)]
     assert script.main(argv) == 0
     data = json.loads(out.read_text())
     summary_line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -352,8 +353,8 @@ def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_tar
     assert data["summary"]["pareto_front"] and out.with_suffix(".png").stat().st_size > 0
 
 
-def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_target,
-                                                                       random_drafter_dir):
+def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_shallow_target,
+                                                                       shallow_drafter_dir):
     import shutil
 
     from dspark_jax.config import SamplingConfig
@@ -365,10 +366,10 @@ def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path
     # The same weights twice under the scheduler, one copy calibrated for T = 1: they share one
     # profiled cost table, and each is served by its own calibration.
     calibrated = tmp_path / "calibrated"
-    shutil.copytree(random_drafter_dir, calibrated)
+    shutil.copytree(shallow_drafter_dir, calibrated)
     save_calibration(calibrated, {"temperatures": [1.5] * 7, "biases": [-0.5] * 7}, SamplingConfig(temperature=1.0))
     out = tmp_path / "bench.json"
-    argv = ["--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--drafter", str(random_drafter_dir),
+    argv = ["--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--drafter", str(shallow_drafter_dir),
             "--drafter", str(calibrated), "--policy", "scheduler", "--prompts-per-domain", "1", "--max-new-tokens", "4",
             "--temperature", "1", "--seeds", "2", "--out", str(out), "--no-plot"]
     assert script.main(argv) == 0

@@ -359,7 +359,6 @@ def test_eight_device_decoding_equals_one_device_and_each_device_drafts_and_veri
         from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
         from dspark_jax.decoding.speculative import NO_FLOOR, FixedPolicy, SpeculativeDecoder, stop_id_array
         from dspark_jax.drafter.model import Drafter
-from dspark_jax.models.target import TargetModel
         from dspark_jax.sampling import SamplingParams, request_keys
         from dspark_jax.scheduler.prefix import SchedulerPolicy
         from dspark_jax.scheduler.profile import profile_round_costs
