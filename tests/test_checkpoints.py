@@ -443,7 +443,7 @@ def test_a_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(QWEN3, rms_norm_eps=1e-6, rope_theta=1e6)], ids=["llama", "qwen3"])
-def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, overrides):
+def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, overrides, monkeypatch):
     """``dspark convert`` writes what ``load_gguf`` made of the file (dequantized, q/k unpermuted):
     the HF directory loads back to the same config and logits."""
     import gguf
@@ -459,8 +459,16 @@ def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, 
     assert converted.cfg == from_gguf.cfg == target.cfg
     np.testing.assert_array_equal(logits_of(converted), logits_of(from_gguf))
     np.testing.assert_allclose(logits_of(converted), logits_of(target), atol=0.1)  # Q8_0: close, not equal
-    for checkpoint in (path, tmp_path / "hf"):  # --dtype bfloat16: the same weights, rounded once
-        half, _ = cli.load_target(str(checkpoint), "bfloat16")
+    # --dtype bfloat16: the same weights, rounded once, from the GGUF's converted copy, from the HF
+    # directory, and from the GGUF cast tensor by tensor as it is read (no float32 copy to keep).
+    from dspark_jax.checkpoints import gguf as gguf_module
+
+    read, cast_as_read = gguf_module.hf_tensors_from_gguf, []
+    monkeypatch.setattr(gguf_module, "hf_tensors_from_gguf",
+                        lambda reader, cfg, dtype="float32": cast_as_read.append(dtype) or read(reader, cfg, dtype))
+    lean = load_gguf(path, "bfloat16", cache=False)[0]
+    assert cast_as_read == ["bfloat16"]
+    for half in (cli.load_target(str(path), "bfloat16")[0], cli.load_target(str(tmp_path / "hf"), "bfloat16")[0], lean):
         assert half.dtype == jnp.bfloat16 and half.cfg == target.cfg
         for got, want in zip(half.params, converted.params, strict=True):
             np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))

@@ -252,8 +252,9 @@ def check_gguf_tensors(reader, cfg: TargetConfig) -> None:
     hf.check_inventory(cfg, {_hf_name(t.name)[0]: tuple(int(n) for n in reversed(t.shape)) for t in _weights(reader)})
 
 
-def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
-    """All tensors of a GGUF file, dequantized to float32 and named as in an HF checkpoint, after
+def hf_tensors_from_gguf(reader, cfg: TargetConfig, dtype="float32") -> dict[str, np.ndarray]:
+    """All tensors of a GGUF file, dequantized to float32, then cast to ``dtype`` one at a time (so
+    that a bfloat16 load never holds the float32 model), and named as in an HF checkpoint, after
     ``check_gguf_tensors``."""
     from gguf.quants import dequantize
 
@@ -264,7 +265,7 @@ def hf_tensors_from_gguf(reader, cfg: TargetConfig) -> dict[str, np.ndarray]:
         name, kind = _hf_name(t.name)
         if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
             value = unpermute_rope_rows(value, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-        tensors[name] = value
+        tensors[name] = value.astype(jnp.dtype(dtype), copy=False)
     return tensors
 
 
@@ -431,11 +432,13 @@ def load_gguf(path: str | os.PathLike, dtype=jnp.float32, *, cache: bool = True)
     try:
         cfg = config_from_gguf(reader)
         tokenizer = tokenizer_from_gguf(reader)  # before dequantizing: an unsupported tokenizer fails fast
-        tensors = hf_tensors_from_gguf(reader, cfg)
+        # The converted copy is float32; without one, the tensors are cast as they are read.
+        keep_copy = copy is not None and 4 * sum(int(t.n_elements) for t in _weights(reader)) <= CONVERTED_COPY_MAX_BYTES
+        tensors = hf_tensors_from_gguf(reader, cfg, "float32" if keep_copy else dtype)
     except ValueError as error:  # the messages name the field or tensor; this names the file
         raise ValueError(f"{path}: {error}") from None
     target = TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))
-    if copy is not None and sum(t.nbytes for t in tensors.values()) <= CONVERTED_COPY_MAX_BYTES:
+    if keep_copy:
         _keep_converted_copy(copy, cfg, tensors, tokenizer)
     return target, tokenizer
 
