@@ -600,8 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "redraws nothing, even sampled requests under a threshold or scheduler policy")
     batch.add_argument("--batch-buckets", action="store_true",
                        help="run each step at the smallest of 1, 2, 4, ..., --batch-size rows holding the requests "
-                            "in flight, so that the job's tail (and a part of fewer requests) does not pay for idle "
-                            "rows; each size compiles its own programs")
+                            "in flight, so that the job's tail does not pay for idle rows; each size compiles its own "
+                            "programs")
     batch.add_argument("--data-parallel", action="store_true",
                        help="split every batch over all of this host's devices (the batch size a multiple of their count)")
     batch.add_argument("--chat", action="store_true", help='put "prompt" texts through the chat template too')
