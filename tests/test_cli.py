@@ -588,10 +588,10 @@ def test_a_drafter_takes_its_targets_dtype(embedded_target, random_drafter_dir):
     from flax import nnx
 
     from dspark_jax.cli import load_drafter_arg
-    from dspark_jax.models.target import TargetModel
+    from tests.tiny import cast_target
 
     target, _ = embedded_target
-    half = TargetModel(target.cfg, target.graphdef, target.treedef, [p.astype(jnp.bfloat16) for p in target.params])
+    half = cast_target(target, jnp.bfloat16)
     for model in (target, half):
         _, drafter, _, _ = load_drafter_arg(str(random_drafter_dir), model)
         dtypes = {leaf.dtype for leaf in jax.tree.leaves(nnx.state(drafter, nnx.Param))

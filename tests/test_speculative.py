@@ -20,11 +20,10 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
-from dspark_jax.models.target import TargetModel
 from dspark_jax.sampling import SamplingParams
 from tests.multidevice import run_on_eight_devices
 from tests.prompts import mixed_prompts, random_drafter
-from tests.tiny import sharp_tiny_target, tiny_target
+from tests.tiny import cast_target, sharp_tiny_target, tiny_target
 
 GAMMA = 7
 
@@ -214,7 +213,7 @@ def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
     reference's target-only steps run the same shapes, so greedy speculative decoding is token for
     token the bf16 target's, whose KV cache is bf16 too."""
     target = sharp_tiny_target(scale=4.0)  # peaked enough to accept drafts, not so much as to repeat one token
-    half = TargetModel(target.cfg, target.graphdef, target.treedef, [p.astype(jnp.bfloat16) for p in target.params])
+    half = cast_target(target, jnp.bfloat16)
     cfg = DrafterConfig.for_target(target.cfg, num_layers=1, tap_layers=(0, 1), mask_token_id=5, block_size=3,
                                    markov_rank=4)
     half_drafter = Drafter(cfg, rngs=nnx.Rngs(1), dtype=jnp.bfloat16)

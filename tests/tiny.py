@@ -30,6 +30,11 @@ def tiny_target(seed: int = 0, dtype=jnp.float32, **overrides) -> TargetModel:
     return TargetModel.from_module(Transformer(tiny_config(**overrides), rngs=nnx.Rngs(seed), dtype=dtype))
 
 
+def cast_target(target: TargetModel, dtype) -> TargetModel:
+    """``target`` with its weights in ``dtype`` (what ``--dtype`` loads)."""
+    return TargetModel(target.cfg, target.graphdef, target.treedef, [p.astype(dtype) for p in target.params])
+
+
 def sharp_tiny_target(seed: int = 3, vocab_size: int = 12, num_layers: int = 4, scale: float = 40.0) -> TargetModel:
     """A tiny target with its tied head sharpened: random init gives near-uniform distributions,
     under which a wrong acceptance rule is nearly invisible; peaked p and q give tests power."""
