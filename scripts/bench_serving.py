@@ -4,7 +4,7 @@
 Where DSpark's scheduler is meant to pay (paper §6.7; vLLM's adaptive verification is measured
 the same way, sweeping load): a fixed verify length that suits one request wastes the verify
 forward once many share it. On the embedded SmolLM2-135M-Instruct target with a shipped drafter,
-greedy:
+greedy unless ``--temperature`` (with ``--top-k``, ``--top-p``) says otherwise:
 
 - requests: ``--requests`` math (GSM8K), code (HumanEval) and chat (MT-Bench) first turns,
   interleaved, arriving as a Poisson process at each of ``--rates`` requests per second
@@ -21,8 +21,11 @@ greedy:
   burst of load from other processes hits all alike;
 - per run: throughput (tokens/s over the run), per-user speed (the median request's 1 / TPOT),
   latency, time to first token and TPOT (mean, p50, p90, p99), τ and verify widths; greedy
-  outputs compared with target-only's; per (policy, B, rate) the throughput and p90-latency
-  ratios to target-only's; the Pareto front of (throughput, per-user speed) over every run.
+  outputs compared with target-only's (sampled ones are not: each decoder draws its own
+  random numbers, request i from seed ``--sampling-seed`` + i); per (policy, B, rate) the
+  throughput and p90-latency ratios to target-only's; the Pareto front of (throughput, per-user
+  speed) over every run. A sampled scheduler is profiled with that sampling and served by the
+  drafter's calibration for it.
 
 Writes JSON (``--out``) and a PNG beside it: per-user speed against throughput (one line per
 decoder and B across the rates, the front ringed) and p90 latency against the arrival rate. The
@@ -31,6 +34,7 @@ last line printed is ``{"throughput_ratio": {"<policy>": {"B=<b>": {"<rate>": x}
 
     .venv/bin/python scripts/bench_serving.py                  # 16 requests, B 1 4, 4 rates
     .venv/bin/python scripts/bench_serving.py --rates 0.5 inf --batch-sizes 8 --requests 32
+    .venv/bin/python scripts/bench_serving.py --temperature 1 --batch-sizes 1 8
     .venv/bin/python scripts/bench_serving.py --quick          # 4 requests, B 2, 12 new tokens
 """
 
@@ -45,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.cli import positive_int
+from dspark_jax.cli import add_sampling_arguments, positive_int, sampling_from_args
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     interleaved_texts,
@@ -87,11 +91,17 @@ def parse_args(argv):
     ap.add_argument("--max-new-tokens", type=positive_int, default=None, help="default 64 (--quick: 12)")
     ap.add_argument("--no-buckets", action="store_true", help="skip the runs with batch buckets")
     ap.add_argument("--seed", type=int, default=0, help="arrival times")
+    add_sampling_arguments(ap, "0 = greedy (outputs then compared with target-only's)", seed_help=False)
+    ap.add_argument("--sampling-seed", type=int, default=0, help="request i samples from seed SAMPLING_SEED + i")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=json_output_with_plot, default=str(REPO_ROOT / "docs" / "serving" / "bench_serving.json"),
                     help="JSON output; the PNG goes next to it")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        args.sampling = sampling_from_args(args)
+    except ValueError as error:
+        ap.error(f"--temperature/--top-k/--top-p: {error}")
     args.policy = args.policy or ["fixed:7", "scheduler"]
     if TARGET_ONLY in args.policy:
         ap.error(f"--policy {TARGET_ONLY}: target-only decoding always runs, as the baseline")
@@ -174,28 +184,32 @@ def main(argv=None) -> int:
     profile_batches = sorted({size for _, b, buckets in batchings for size in (refill_sizes(b) if buckets else [b])})
     # One cache length for every decoder, target-only too (eval.bench.policy_decoders).
     target, tokenizer, prompts, max_len, speculative = policy_bench(
-        texts, args.drafter, policies, batches=profile_batches, max_new_tokens=args.max_new_tokens)
-    stops = tokenizer.stop_ids
+        texts, args.drafter, policies, batches=profile_batches, max_new_tokens=args.max_new_tokens,
+        sampling=args.sampling)
     decoders = {TARGET_ONLY: AutoregressiveGenerator(target), **speculative}
+    # What every generate call of a run takes besides its batching.
+    decoding = dict(stop_ids=tokenizer.stop_ids, max_len=max_len, sampling=args.sampling,
+                    seeds=[args.sampling_seed + i for i in range(len(prompts))])
 
-    compile_s = sum(warm_up(decoder, prompts, batch_size=b, max_len=max_len, batch_buckets=buckets)
+    compile_s = sum(warm_up(decoder, prompts, batch_size=b, batch_buckets=buckets, **decoding)
                     for _, b, buckets in batchings for decoder in decoders.values())
     print(f"compiled and warmed up in {compile_s:.0f} s", file=sys.stderr)
 
     arrivals = {rate_name(rate): poisson_arrivals(len(prompts), rate, seed=args.seed) for rate in args.rates}
     summaries = {name: {label: {} for label, _, _ in batchings} for name in decoders}
-    identical = {name: True for name in decoders if name != TARGET_ONLY}
+    greedy = args.sampling.greedy
+    identical = {name: True for name in decoders if name != TARGET_ONLY} if greedy else None
     with count_compilations() as compiled:
         for b, (rate, times) in itertools.product(args.batch_sizes, arrivals.items()):
             for label, buckets in [(label, buckets) for label, size, buckets in batchings if size == b]:
                 base = None
                 for name, decoder in decoders.items():
                     run = serve(decoder, prompts, times, max_new_tokens=args.max_new_tokens, batch_size=b,
-                                batch_buckets=buckets, stop_ids=stops, max_len=max_len)
+                                batch_buckets=buckets, **decoding)
                     summaries[name][label][rate] = s = run.summary()
                     if base is None:
                         base = run.result.tokens
-                    else:
+                    elif greedy:
                         identical[name] &= run.result.tokens == base
                     print(f"{label} rate {rate}: {name:12s} {s['throughput']:6.1f} tok/s, per user "
                           f"{s['per_user_tokens_per_s']:5.1f} tok/s, latency p90 {s['latency_s']['p90']:6.2f} s"
@@ -208,7 +222,7 @@ def main(argv=None) -> int:
         "throughput_ratio": {n: {b: {r: round(x["throughput"], 3) for r, x in per_rate.items()}
                                  for b, per_rate in per_b.items()} for n, per_b in compared["ratios"].items()},
         "pareto_front": compared["pareto_front"],
-        "identical": all(identical.values()),
+        "identical": all(identical.values()) if greedy else None,
     }
     body = {
         "summary": summary,
@@ -220,7 +234,8 @@ def main(argv=None) -> int:
         "settings": {"drafter": args.drafter, "requests": len(prompts), "rates": list(arrivals),
                      "batch_sizes": args.batch_sizes, "batch_buckets": not args.no_buckets,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                     "greedy": True, "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
+                     "sampling": args.sampling.describe(), "sampling_seeds": f"{args.sampling_seed} + request index",
+                     "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "arrivals_s": {rate: times.tolist() for rate, times in arrivals.items()},
         "policies": {n: policy_text(d.policy) for n, d in speculative.items()},
         "scheduler_tables": {n: policy_summary(d.policy) for n, d in speculative.items() if hasattr(d.policy, "costs")},
@@ -233,12 +248,13 @@ def main(argv=None) -> int:
                    "per_user_tokens_per_s": "1 / the median request's time per output token after its first",
                    "latency_s": "arrival to last token; ttft_s: arrival to first token (queueing + prefill)",
                    "pareto_front": "runs no other run matches or beats on both throughput and per-user speed",
-                   "identical": "greedy outputs equal target-only's token for token in every run"},
+                   "identical": "greedy outputs equal target-only's token for token in every run (null: sampled)"},
     }
     write_json(args.out, json_clean(body), indent=1)
     if not args.no_plot:
         plot(json_clean(summaries), compared["pareto_front"], args.out.with_suffix(".png"),
-             f"SmolLM2-135M + {args.drafter}, greedy, {len(prompts)} requests of up to {args.max_new_tokens} tokens, "
+             f"SmolLM2-135M + {args.drafter}, {args.sampling.describe()}, {len(prompts)} requests of up to "
+             f"{args.max_new_tokens} tokens, "
              f"Poisson arrivals")
     print(json.dumps(json_clean(summary)), flush=True)
     return 0

@@ -333,14 +333,18 @@ def test_bench_speculative_quick_writes_documented_json(tmp_path, capsys, shared
 
 
 @pytest.mark.slow
-def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir):
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--top-k", "20"]], ids=["greedy", "sampled"])
+def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_target, random_drafter_dir, sampling):
     out = tmp_path / "serving.json"
     argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--requests", "3",
             "--drafter", str(random_drafter_dir), "--max-new-tokens", "3", "--rates", "50", "inf", "--out", str(out)]
-    assert load_script("bench_serving").main(argv) == 0
+    assert load_script("bench_serving").main(argv + sampling) == 0
     data = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == data["summary"]
-    assert data["summary"]["identical"] is True and data["compiles_while_timing"] == 0
+    # Sampled outputs are not compared (each decoder draws its own numbers); the warm-up compiled
+    # the sampled programs too.
+    assert data["summary"]["identical"] is (None if sampling else True) and data["compiles_while_timing"] == 0
+    assert data["settings"]["sampling"] == ("T=1 top-k 20" if sampling else "greedy")
     assert set(data["runs"]) == {"target-only", "fixed:7", "scheduler"}
     assert set(data["runs"]["scheduler"]) == {"B=2", "B=2 buckets"}  # static rows, and batch buckets
     assert set(data["summary"]["throughput_ratio"]["scheduler"]["B=2"]) == {"50", "inf"}

@@ -95,6 +95,8 @@ def test_serving_rates_are_positive_or_inf_and_target_only_is_not_a_policy(capsy
     args = parse("bench_serving", ["--quick"])
     assert (args.requests, args.rates, args.batch_sizes, args.policy) == (4, [2.0, math.inf], [2], ["fixed:7", "scheduler"])
     assert parse("bench_serving", ["--rates", "0.5", "inf"]).rates == [0.5, math.inf]
+    assert parse("bench_serving", ["--temperature", "0.7", "--top-p", "0.8"]).sampling.describe() == "T=0.7 top-p 0.8"
+    assert "--temperature/--top-k/--top-p" in refusal("bench_serving", ["--temperature", "-1"], capsys)
     for rate in ("0", "-1", "nan", "soon"):
         assert f"{rate!r} is not an arrival rate" in refusal("bench_serving", ["--rates", rate], capsys)
     assert "target-only decoding always runs" in refusal("bench_serving", ["--policy", "target-only"], capsys)

@@ -74,13 +74,15 @@ def interleaved_texts(directory, count: int) -> list[str]:
     return texts
 
 
-def policy_decoders(target, drafter_spec: str, policies: dict, *, batches: Sequence[int], max_len: int) -> dict:
+def policy_decoders(target, drafter_spec: str, policies: dict, *, batches: Sequence[int], max_len: int,
+                    sampling=None) -> dict:
     """One speculative decoder for ``--drafter drafter_spec`` per ``--policy`` (``policies``: text
     -> ``cli.parse_policy_arg(text)``, parsed before the target loads), by text.
 
     A policy the drafter cannot run is a one-line exit (``cli.load_drafter_arg``); a scheduler
     without a cost table is profiled here at every B of ``batches`` on ``max_len`` slots (the
-    cache decoding uses), once, so that schedulers compared side by side weigh the same costs.
+    cache decoding uses), decoding with ``sampling`` (default greedy), once, so that schedulers
+    compared side by side weigh the same costs; it takes the drafter's calibration for ``sampling``.
     Every decoder must reserve γ + 1 slots for its widest verify, so that one cache length
     serves them all (and target-only too: a step attends over the whole cache, so a shorter one
     would make its steps cheaper than the rounds')."""
@@ -93,12 +95,13 @@ def policy_decoders(target, drafter_spec: str, policies: dict, *, batches: Seque
 
     decoders, costs = {}, None
     for text, policy in policies.items():
-        _, drafter, chosen, note = load_drafter_arg(drafter_spec, target, policy)
+        _, drafter, chosen, note = load_drafter_arg(drafter_spec, target, policy, sampling=sampling)
         if note:
             print(f"note: {text}: {note}", file=sys.stderr)
         if isinstance(chosen, SchedulerPolicy) and chosen.costs is None and costs is not None:
             chosen = dataclasses.replace(chosen, costs=costs)
-        decoders[text] = make_decoder(target, drafter, chosen, profile_batches=batches, profile_max_len=max_len)
+        decoders[text] = make_decoder(target, drafter, chosen, profile_batches=batches, profile_max_len=max_len,
+                                      profile_sampling=sampling)
         if isinstance(decoders[text].policy, SchedulerPolicy):
             costs = costs or decoders[text].policy.costs
         if decoders[text].slack != drafter.cfg.block_size + 1:
@@ -116,9 +119,10 @@ class PolicyBench(NamedTuple):
 
 
 def policy_bench(texts: Sequence[str], drafter_spec: str, policies: dict, *, batches: Sequence[int],
-                 max_new_tokens: int) -> PolicyBench:
+                 max_new_tokens: int, sampling=None) -> PolicyBench:
     """The embedded target, ``texts`` as chat-templated prompts, the one cache length for them
-    (longest prompt + ``max_new_tokens`` + the drafter's γ + 1) and ``policy_decoders`` on it."""
+    (longest prompt + ``max_new_tokens`` + the drafter's γ + 1) and ``policy_decoders`` on it
+    (for ``sampling``, default greedy)."""
     from dspark_jax.checkpoints.drafter import read_drafter_config
     from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.decoding.autoregressive import cache_len
@@ -129,7 +133,8 @@ def policy_bench(texts: Sequence[str], drafter_spec: str, policies: dict, *, bat
     slack = read_drafter_config(resolve_drafter(drafter_spec)[1])[0].block_size + 1
     max_len = cache_len([len(p) for p in prompts], max_new_tokens, target.cfg.max_position_embeddings, slack)
     return PolicyBench(target, tokenizer, prompts, max_len,
-                       policy_decoders(target, drafter_spec, policies, batches=batches, max_len=max_len))
+                       policy_decoders(target, drafter_spec, policies, batches=batches, max_len=max_len,
+                                       sampling=sampling))
 
 
 def machine_info() -> dict:
