@@ -59,7 +59,7 @@ def load_drafter_arg(spec: str, target, policy=None, *, fallback: bool = False, 
     from dspark_jax.eval.compare import load_drafter_spec, policy_for
 
     try:
-        name, drafter = load_drafter_spec(spec, target.cfg, dtype=target.dtype)  # the target's dtype
+        name, drafter = load_drafter_spec(spec, target, dtype=target.dtype)  # the target's dtype
         chosen, note = policy_for(drafter.cfg, policy, directory=resolve_drafter(spec)[1], sampling=sampling)
     except (OSError, ValueError) as error:
         raise SystemExit(f"--drafter {spec!r}: {error}") from None
@@ -393,8 +393,17 @@ def cmd_convert(args) -> int:
     from dspark_jax.checkpoints.gguf import embedded_gguf_path, load_gguf
     from dspark_jax.checkpoints.hf import save_hf_checkpoint
 
+    if args.deepspec:
+        from dspark_jax.checkpoints.deepspec import convert_deepspec_drafter
+
+        try:
+            out = convert_deepspec_drafter(args.deepspec, args.out, storage_dtype=args.dtype)
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"--deepspec {args.deepspec!r}: {error}") from None
+        print(f"wrote dspark-jax drafter to {out} (use it as --drafter {out})")
+        return 0
     source = Path(args.gguf) if args.gguf else embedded_gguf_path()
-    target, tokenizer = load_gguf(source, cache=False)  # the user asked for one copy, not two
+    target, tokenizer = load_gguf(source, args.dtype, cache=False)  # the user asked for one copy, not two
     out = save_hf_checkpoint(target.module(), args.out)
     tokenizer.save(out)
     print(f"wrote HF checkpoint to {out}")
@@ -626,9 +635,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)
 
-    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory")
-    conv.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory, or a DeepSpec "
+                          "drafter as a dspark-jax one")
+    source = conv.add_mutually_exclusive_group()
+    source.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    source.add_argument("--deepspec", default=None,
+                        help="a DeepSpec drafter checkpoint (Qwen3DSparkModel), written without its copies of the "
+                             "target's embedding and LM head")
     conv.add_argument("--out", required=True)
+    conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
+                      help="the written weights' dtype (default float32; bfloat16 halves the checkpoint)")
     conv.set_defaults(func=cmd_convert)
 
     prof = sub.add_parser("profile", help="time a speculative round at each verify width: the scheduler's cost table")

@@ -3,8 +3,8 @@
 
 ``--per-set`` first turns from each of ``--sets`` (default GSM8K, HumanEval, MT-Bench;
 interleaved, so answers of different lengths share every batch), chat-templated, answered
-greedily by the embedded target with ``AutoregressiveGenerator.generate(prompts,
-batch_size=B)`` (what ``dspark batch`` runs) in three modes: ``fixed`` (``--fixed-batches``),
+greedily by the embedded target (or ``--checkpoint``, in ``--dtype``) with
+``AutoregressiveGenerator.generate(prompts, batch_size=B)`` (what ``dspark batch`` runs) in three modes: ``fixed`` (``--fixed-batches``),
 ``continuous`` (the default) and ``buckets`` (continuous, ``--batch-buckets``: each step at the
 smallest of 1, 2, 4, ..., B rows holding the requests in flight). The modes alternate
 ``--rounds`` times on one generator: the first round of each compiles its shapes (continuous
@@ -32,7 +32,7 @@ import json
 import time
 from pathlib import Path
 
-from dspark_jax.cli import positive_int
+from dspark_jax.cli import add_checkpoint_argument, positive_int
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     json_output,
@@ -46,6 +46,7 @@ DEFAULT_BENCHMARKS = REPO_ROOT.parent / "shared" / "benchmarks"
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_checkpoint_argument(ap)
     ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
     ap.add_argument("--sets", nargs="+", default=["gsm8k", "humaneval", "mt-bench"])
     ap.add_argument("--per-set", type=positive_int, default=None, help="prompts from each set (default 8; --quick: 2)")
@@ -70,12 +71,12 @@ def prompt_texts(benchmarks, sets, per_set: int) -> list[str]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from dspark_jax.checkpoints.gguf import load_embedded_target
+    from dspark_jax.checkpoints import load_target
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
     from dspark_jax.eval.metrics import mean_batch_rows
 
     texts = prompt_texts(args.benchmarks, args.sets, args.per_set)
-    target, tokenizer = load_embedded_target()
+    target, tokenizer = load_target(args.checkpoint, args.dtype)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
     generator = AutoregressiveGenerator(target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, batch_size=args.batch_size,
@@ -100,7 +101,8 @@ def main(argv=None) -> dict:
     report = {
         "settings": {"requests": len(prompts), "sets": args.sets, "per_set": args.per_set,
                      "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                     "target": "embedded SmolLM2-135M-Instruct", "sampling": "greedy", "drafter": None},
+                     "target": args.checkpoint or "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,
+                     "sampling": "greedy", "drafter": None},
         "runs": runs,
         "completion_lengths": lengths,
         "at_limit": sum(n == args.max_new_tokens for n in lengths),

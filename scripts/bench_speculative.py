@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark speculative decoding against target-only decoding on math, code and chat prompts.
 
-On the embedded SmolLM2-135M-Instruct target (fp32), one request at a time (B=1):
+On the embedded SmolLM2-135M-Instruct target (or ``--checkpoint``; float32 unless ``--dtype
+bfloat16``), one request at a time (B=1):
 
 - prompts: the first ``--prompts-per-domain`` lines of GSM8K (math), HumanEval (code) and
   MT-Bench (chat) from ``--benchmarks DIR`` (``gsm8k.jsonl``, ``humaneval.jsonl``,
@@ -29,6 +30,7 @@ sampling; the ratios and their ``_interval`` are added when they exist).
     .venv/bin/python scripts/bench_speculative.py                       # shipped DSpark drafter
     .venv/bin/python scripts/bench_speculative.py --compare-baselines   # DSpark, DFlash, EAGLE-3
     .venv/bin/python scripts/bench_speculative.py --quick --drafter /path/to/drafter_dir
+    .venv/bin/python scripts/bench_speculative.py --dtype bfloat16      # on a GPU or TPU
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.cli import positive_int
+from dspark_jax.cli import add_checkpoint_argument, positive_int
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     json_output_with_plot,
@@ -64,6 +66,7 @@ def parse_args(argv):
     ap.add_argument("--drafter", action="append", default=None,
                     help=f"shipped drafter name ({', '.join(SHIPPED)}) or checkpoint directory; repeatable "
                     "(default: smollm2_135m_dspark)")
+    add_checkpoint_argument(ap)
     ap.add_argument("--compare-baselines", action="store_true",
                     help="also run the three shipped drafters (DSpark, DFlash, EAGLE-3)")
     ap.add_argument("--policy", action="append", default=None,
@@ -144,8 +147,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
+    from dspark_jax.checkpoints import load_target
     from dspark_jax.checkpoints.drafter import WEIGHTS_FILE, read_drafter_config
-    from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.config import SamplingConfig
     from dspark_jax.drafters import resolve_drafter
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     load_avg_start = os.getloadavg()
     started = time.time()
     t0 = time.perf_counter()
-    target, tokenizer = load_embedded_target()
+    target, tokenizer = load_target(args.checkpoint, args.dtype)
     print(f"loaded target ({target.num_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     domains = load_domains(texts, tokenizer)
     lens = [len(ids) for d in domains.values() for ids in d["ids"]]
@@ -302,7 +305,8 @@ def main(argv=None) -> int:
             "prompt": "first turn, user message in the chat template",
             "cache_len": {"target_only": comparison.max_len_ar, "speculative": comparison.max_len_spec},
         },
-        "target": {"name": "SmolLM2-135M-Instruct (embedded GGUF, dequantized fp32)", "params": target.num_params},
+        "target": {"name": args.checkpoint or "SmolLM2-135M-Instruct (embedded GGUF, dequantized)",
+                   "dtype": args.dtype, "params": target.num_params},
         "drafters": drafters,
         "compile_s": compile_s,
         "compiles_while_timing": comparison.compiles_while_timing,

@@ -270,7 +270,7 @@ def main(argv=None) -> int:
             if not directory.exists():
                 print(f"{name}: no exported drafter at {directory}, skipped", file=sys.stderr)
                 continue
-            drafter = load_drafter(directory, target=target.cfg)
+            drafter = load_drafter(directory, target=target)
             # One compiled scorer per drafter and kind of batch (with features, or token ids).
             scorer = jax.jit(lambda batch, target_params, drafter=drafter, leg=leg: objective(
                 drafter, leg, complete(target_params, batch), embed, head)[1])

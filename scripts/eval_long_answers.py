@@ -193,7 +193,7 @@ def main(argv=None) -> int:
                 runs += [(f"{spec}@window{w}", spec, windowed_copy(directory, w, Path(scratch))) for w in args.window]
         names = bucket_names(args.max_new_tokens, args.bucket)
         for label, whole_context, directory in runs:
-            drafter = load_drafter(directory, target=target.cfg)
+            drafter = load_drafter(directory, target=target)
             decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size))
             committed = {domain: committed_by_bucket(decoder, ids, max_new_tokens=args.max_new_tokens,
                                                    bucket=args.bucket, stop_ids=tokenizer.stop_ids)

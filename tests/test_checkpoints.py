@@ -460,18 +460,33 @@ def test_convert_of_a_quantized_gguf_loads_back_with_identical_logits(tmp_path, 
     np.testing.assert_array_equal(logits_of(converted), logits_of(from_gguf))
     np.testing.assert_allclose(logits_of(converted), logits_of(target), atol=0.1)  # Q8_0: close, not equal
     # --dtype bfloat16: the same weights, rounded once, from the GGUF's converted copy, from the HF
-    # directory, and from the GGUF cast tensor by tensor as it is read (no float32 copy to keep).
+    # directory, and from the GGUF, each cast tensor by tensor as it is read (no float32 model held).
     from dspark_jax.checkpoints import gguf as gguf_module
+    from dspark_jax.checkpoints import hf as hf_module
 
     read, cast_as_read = gguf_module.hf_tensors_from_gguf, []
     monkeypatch.setattr(gguf_module, "hf_tensors_from_gguf",
                         lambda reader, cfg, dtype="float32": cast_as_read.append(dtype) or read(reader, cfg, dtype))
     lean = load_gguf(path, "bfloat16", cache=False)[0]
     assert cast_as_read == ["bfloat16"]
-    for half in (cli.load_target(str(path), "bfloat16")[0], cli.load_target(str(tmp_path / "hf"), "bfloat16")[0], lean):
+    build, handed = hf_module.module_from_hf_tensors, []
+    monkeypatch.setattr(hf_module, "module_from_hf_tensors", lambda cfg, tensors, dtype: handed.append(
+        {t.dtype.name for t in tensors.values()}) or build(cfg, tensors, dtype))
+    # The GGUF's first load reads it in float32 to keep that copy; the second reads the copy.
+    loads = [cli.load_target(source, "bfloat16")[0] for source in (str(path), str(path), str(tmp_path / "hf"))]
+    for half in (*loads, lean):
         assert half.dtype == jnp.bfloat16 and half.cfg == target.cfg
         for got, want in zip(half.params, converted.params, strict=True):
             np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
+    assert handed == [{"bfloat16"}, {"bfloat16"}], handed  # the converted copy and the HF directory, as read
+    # convert --dtype bfloat16 writes those weights, half the size, and says so in config.json.
+    assert cli.main(["convert", "--gguf", str(path), "--out", str(tmp_path / "hf16"), "--dtype", "bfloat16"]) == 0
+    stored = load_file(str(tmp_path / "hf16" / "model.safetensors"))
+    assert {t.dtype.name for t in stored.values()} == {"bfloat16"}
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+    for got, want in zip(cli.load_target(str(tmp_path / "hf16"))[0].params, converted.params, strict=True):
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16).astype(jnp.float32))
 
 
 def test_a_config_without_head_dim_or_positions_takes_transformers_defaults():

@@ -16,7 +16,8 @@ from dspark_jax.checkpoints.drafter import (
     save_drafter,
 )
 from dspark_jax.config import DrafterConfig
-from tests.tiny import tiny_config
+from dspark_jax.models.target import TargetModel
+from tests.tiny import cast_target, tiny_config, tiny_target
 
 TARGET = tiny_config(num_layers=4)
 IDS = np.arange(0, TARGET.vocab_size, 3)
@@ -297,16 +298,60 @@ def test_storage_dtype_applies_to_a_drafter_held_in_bfloat16(tmp_path):
     assert _same_weights(load_drafter(tmp_path, dtype=jnp.bfloat16), drafter)
 
 
-def test_the_shipped_drafters_load():
-    """They predate weights ids (neither file has one) and must keep loading."""
-    import dataclasses
-
+def test_the_shipped_drafters_load(embedded_target):
+    """They predate weights ids (neither file has one) and must keep loading; they record the
+    embedded target, and refuse another model of its shape (its embedding's rows shifted by one)."""
     from dspark_jax.drafters import SHIPPED, shipped_drafter_path
 
+    target, _ = embedded_target
+    module = target.module()
+    module.embed[...] = np.roll(np.asarray(module.embed[...]), 1, axis=0)
+    other = TargetModel.from_module(module)
     for name in SHIPPED:
         cfg, _ = read_drafter_config(shipped_drafter_path(name))
-        smollm2 = dataclasses.replace(cfg.backbone, num_layers=30)  # what check_target reads of the embedded target
-        assert load_drafter(shipped_drafter_path(name), target=smollm2).cfg == cfg
+        assert load_drafter(shipped_drafter_path(name), target=target).cfg == cfg
+        with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
+            load_drafter(shipped_drafter_path(name), target=other)
+
+
+def _quantized_q4_0(target):
+    """``target`` with its embedding through llama.cpp's 4-bit Q4_0 and back."""
+    import gguf
+
+    module = target.module()
+    embedding = np.asarray(module.embed[...])
+    kind = gguf.GGMLQuantizationType.Q4_0
+    module.embed[...] = gguf.quants.dequantize(gguf.quants.quantize(embedding, kind), kind).reshape(embedding.shape)
+    return TargetModel.from_module(module)
+
+
+def test_a_drafter_refuses_a_target_it_was_not_trained_for(tmp_path):
+    """Width and vocabulary alone let another model's drafter run (losslessly, accepting almost
+    nothing). The depth and embedding sketch a drafter records refuse it; the same model quantized,
+    cast, or given as its config alone still loads it."""
+    import jax.numpy as jnp
+
+    shape = dict(num_layers=4, hidden_size=64)  # Q4_0 quantizes rows in blocks of 32
+    target = tiny_target(seed=0, **shape)
+    drafter = build_drafter(DrafterConfig.dflash(target.cfg, num_layers=1, tap_layers=(0, 1), mask_token_id=5))
+    save_drafter(drafter, tmp_path, target=target)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["target"]["num_layers"] == 4 and len(config["target"]["embedding_sketch"]) == 64 * 8
+    for same in (target, cast_target(target, jnp.bfloat16), _quantized_q4_0(target), target.cfg):
+        assert _same_weights(load_drafter(tmp_path, target=same), drafter)
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path / 'config.json'))}: trained for another target "
+                                         r"of this width and vocabulary: .*\(correlation -?0\.\d\d on 512 sampled"):
+        load_drafter(tmp_path, target=tiny_target(seed=1, **shape))
+    with pytest.raises(ValueError, match="trained for a target of 4 decoder layers, and this target has 3: .*"
+                                         "delete the 'target' section of config.json to run it anyway"):
+        load_drafter(tmp_path, target=tiny_config(num_layers=3, hidden_size=64))
+    for damaged in ({"num_layers": 4}, {"num_layers": 4, "embedding_sketch": ["x"]}, [4]):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "target": damaged}))
+        with pytest.raises(ValueError, match="its 'target' section .* is damaged"):
+            load_drafter(tmp_path, target=target)
+    del config["target"]  # what the refusals tell a user who wants to run it anyway
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _same_weights(load_drafter(tmp_path, target=tiny_target(seed=1, **shape)), drafter)
 
 
 def test_save_refuses_to_overwrite_another_programs_checkpoint(tmp_path):

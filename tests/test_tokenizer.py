@@ -259,8 +259,8 @@ def test_gguf_family_tokenizers_encode_as_tiktoken_does_on_the_real_qwen_vocabul
     strings, and each token's merge, the split of it that byte pair encoding with the lower ranks
     reaches. Every benchmark prompt of the fixtures, every line of the README and some edge cases
     must encode to tiktoken's ids: with Qwen2's NFC, and with Llama 3's whole-piece lookup
-    (tiktoken takes a piece found in the vocabulary as one token, which is what ignore_merges does).
-    Qwen's vocabulary has no token of several digits, so the digit rules are the test above's."""
+    (tiktoken takes a piece found in the vocabulary as one token, which is what ignore_merges does),
+    and decode back to tiktoken's text. Qwen's vocabulary has no token of several digits, so the digit rules are the test above's."""
     import base64
     import importlib.resources
     import unicodedata
@@ -296,12 +296,13 @@ def test_gguf_family_tokenizers_encode_as_tiktoken_does_on_the_real_qwen_vocabul
     root = Path(__file__).parent
     records = [json.loads(line) for path in sorted((root / "fixtures").rglob("*.jsonl"))
                for line in path.read_text().splitlines()]
-    texts = [text for record in records for text in record.get("turns", [record.get("prompt")])]
-    texts += (root.parent / "README.md").read_text().splitlines()
-    texts += ["IT'S 12345 (ab) café cafe\u0301 ﬁ Ⅻ ½ 日本語 🧪🚀\n\n\n  x\t\ty", "1234567890 3.14159 1e-10 0x1F",
+    prose = (root.parent / "README.md").read_text().splitlines()
+    prose += ["IT'S 12345 (ab) café cafe\u0301 ﬁ Ⅻ ½ 日本語 🧪🚀\n\n\n  x\t\ty", "1234567890 3.14159 1e-10 0x1F",
               "  leading spaces\r\n\r\nwindows", "def f(x):\n    return x**2  # ok\n", "a\u0301\u0302 e\u0308 ǅ",
-              "HELLO'S WORLD'LL 'D"]
+              "HELLO'S WORLD'LL 'D", "x != y , z . 'w' don 't"]
+    texts = [text for record in records for text in record.get("turns", [record.get("prompt")])] + prose
     assert len(texts) > 500
+    decoded = set(prose)
     for pre, pattern, normalize in (("qwen2", QWEN2_PATTERN, True), ("llama-bpe", LLAMA3_PATTERN, False)):
         reference = tiktoken.Encoding(pre, pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
 
@@ -311,6 +312,8 @@ def test_gguf_family_tokenizers_encode_as_tiktoken_does_on_the_real_qwen_vocabul
         for text in texts:
             want = reference.encode_ordinary(unicodedata.normalize("NFC", text) if normalize else text)
             assert tokenizer.encode(text) == want, (pre, text)
+            if text in decoded:  # decoding gives the text back, spaces before punctuation too (no HF clean-up)
+                assert tokenizer.decode(want) == reference.decode(want), (pre, text)
 
 
 def test_a_llama3_gguf_that_says_so_adds_no_bos_and_an_unknown_pre_tokenizer_is_named(tmp_path):

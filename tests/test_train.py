@@ -136,8 +136,12 @@ def test_tiny_training_loss_falls_and_exports_a_loadable_drafter(tiny_run, embed
     assert all(1.0 <= t <= 1 + config.drafter["block_size"] for t in heldout), heldout
     assert heldout[-1] > heldout[0], heldout
     target = embedded_target[0].truncated(2)
-    drafter = load_drafter(tiny_run / "drafter", target=target.cfg)
+    drafter = load_drafter(tiny_run / "drafter", target=target)
     assert drafter.cfg.block_size == 4
+    # It records the 2-layer target it was trained for, and refuses the whole embedded target.
+    assert json.loads((tiny_run / "drafter" / "config.json").read_text())["target"]["num_layers"] == 2
+    with pytest.raises(ValueError, match="trained for a target of 2 decoder layers, and this target has 30"):
+        load_drafter(tiny_run / "drafter", target=embedded_target[0])
 
 
 def test_cache_holds_the_targets_own_features_and_normaliser(tiny_parts):
@@ -954,7 +958,7 @@ def test_two_processes_split_the_cache_and_train_as_one_device_does(tmp_path, ti
     np.testing.assert_allclose(losses(out), losses(one.out_dir), rtol=1e-5)
     records = [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
     assert "heldout_tau" in records[-1]
-    exported = load_drafter(out / "drafter", target=target.cfg)
+    exported = load_drafter(out / "drafter", target=target)
     assert exported.cfg.block_size == config.drafter["block_size"]
     assert json.loads((out / "drafter" / "config.json").read_text())["metadata"]["steps"] == 4
 

@@ -13,6 +13,13 @@ files from different saves, which ``load_drafter`` refuses by their ids. The sam
 again keep their id, so what was fitted on them (``calibration.json``, which records it) stays
 theirs; other weights get another. Checkpoints written before weights ids have neither and load
 as before.
+
+A drafter trained by ``dspark train`` also records the target it was trained for (``target`` in
+``config.json``): the target's depth and a sketch of its input embedding (``target_identity``).
+Width and vocabulary alone let a drafter of another model run (losslessly, but it accepts almost
+nothing), so ``load_drafter`` refuses a target of another depth or whose embedding does not
+correlate with the recorded sketch. The sketch survives quantization and a cast to bfloat16;
+another model of the same shape does not match it. Checkpoints without the section load as before.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -30,7 +38,12 @@ import safetensors.numpy
 from flax import nnx
 
 from dspark_jax.checkpoints import save_safetensors
-from dspark_jax.config import DrafterConfig, TargetConfig, partial_path
+from dspark_jax.checkpoints.deepspec import (
+    is_deepspec_checkpoint,
+    read_deepspec_config,
+    read_deepspec_drafter,
+)
+from dspark_jax.config import DrafterConfig, partial_path
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
 
@@ -41,6 +54,11 @@ WEIGHTS_FILE = "model.safetensors"
 STORAGE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 WEIGHTS_ID = "weights_id"  # the weights' digest, in config.json and in the safetensors header
 D2T = "draft_head.d2t"
+TARGET = "target"  # config.json: the target the drafter was trained for (target_identity)
+SKETCH_ROWS, SKETCH_COLUMNS = 64, 8  # the embedding entries a sketch samples, evenly spaced
+# Least correlation of a target's sketch with the recorded one: SmolLM2's embedding gives 0.986 at
+# Q4_0, 1.000 at Q8_0 and in bfloat16; a random one of its shape 0.00, its rows shifted by one 0.23.
+SAME_TARGET_CORRELATION = 0.5
 
 
 def build_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32, draft_vocab_ids=None):
@@ -78,8 +96,75 @@ def _check_overwritable(path: Path) -> None:
                          "another program's checkpoint; save the drafter into its own directory")
 
 
-def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata: dict | None = None) -> Path:
+def sketch_of_rows(rows_of, vocab: int, width: int) -> np.ndarray:
+    """Evenly spaced entries of a ``[vocab, width]`` embedding, as float32: a few hundred numbers
+    that tell one model's embedding from another's and move little under quantization.
+    ``rows_of(ids)`` returns those rows (``[len(ids), width]``), so only they are read."""
+    rows = np.unique(np.linspace(0, vocab - 1, SKETCH_ROWS).round().astype(int))
+    columns = np.unique(np.linspace(0, width - 1, SKETCH_COLUMNS).round().astype(int))
+    return np.asarray(rows_of(rows), dtype=np.float32)[:, columns].ravel()
+
+
+def _embedding_sketch(target) -> np.ndarray:
+    embedding, _ = target.embedding_and_head(target.params)
+    return sketch_of_rows(lambda rows: embedding[rows], *embedding.shape)  # only these rows leave the device
+
+
+def identity(num_layers: int, sketch: np.ndarray) -> dict:
+    """The ``target`` section of a drafter's ``config.json``: a target's depth and embedding sketch."""
+    return {"num_layers": int(num_layers), "embedding_sketch": [float(f"{x:.4g}") for x in sketch]}
+
+
+def target_identity(target) -> dict:
+    """What a drafter records of the ``target`` model it is trained for (a ``TargetModel`` or any
+    model of ``decoding.target_protocol``): its depth and a sketch of its input embedding."""
+    return identity(target.cfg.num_layers, _embedding_sketch(target))
+
+
+def _check_trained_target(directory: Path, recorded, target, *, in_config: bool = True) -> None:
+    """Refuse ``target`` (a model, or only its config) when it is not the model ``recorded``
+    (``target_identity``, from ``config.json``; ``in_config=False``: from a DeepSpec checkpoint's
+    own copy of the embedding, which cannot be deleted to run the drafter anyway) describes."""
+    path = directory / CONFIG_FILE
+    valid = (isinstance(recorded, dict) and isinstance(recorded.get("num_layers"), int)
+             and isinstance(recorded.get("embedding_sketch"), list) and len(recorded["embedding_sketch"]) > 0
+             and all(isinstance(x, (int, float)) for x in recorded["embedding_sketch"]))
+    if not valid:
+        raise ValueError(f"{path}: its '{TARGET}' section (the target it was trained for) is damaged: expected "
+                         "num_layers and an embedding_sketch list of numbers")
+    run_anyway = ("it would decode losslessly but accept few drafts: train a drafter for this target (dspark train)"
+                  + (f", or delete the '{TARGET}' section of {CONFIG_FILE} to run it anyway" if in_config else ""))
+    cfg = getattr(target, "cfg", target)
+    if recorded["num_layers"] != cfg.num_layers:
+        raise ValueError(f"{path}: trained for a target of {recorded['num_layers']} decoder layers, and this target "
+                         f"has {cfg.num_layers}: its tapped layers mean other features here; {run_anyway}")
+    if not hasattr(target, "embedding_and_head"):  # a config alone: nothing more to compare
+        return
+    mine = _embedding_sketch(target)
+    theirs = np.asarray(recorded["embedding_sketch"], dtype=np.float32)
+    if mine.shape != theirs.shape:
+        raise ValueError(f"{path}: its '{TARGET}' section holds {theirs.size} embedding samples where a target of "
+                         f"this shape gives {mine.size}: the section is damaged")
+    spread = mine.std() * theirs.std()
+    correlation = float(np.mean((mine - mine.mean()) * (theirs - theirs.mean())) / spread) if spread > 0 else 0.0
+    if not correlation >= SAME_TARGET_CORRELATION:
+        raise ValueError(f"{path}: trained for another target of this width and vocabulary: this target's input "
+                         f"embedding does not match the one it was trained with (correlation {correlation:.2f} on "
+                         f"{mine.size} sampled weights; the same model quantized or cast gives above "
+                         f"{SAME_TARGET_CORRELATION}); {run_anyway}")
+
+
+def config_json(config: dict) -> str:
+    """The text of a ``config.json``: indented, with the embedding sketch's numbers on one line."""
+    text = json.dumps(config, indent=2) + "\n"
+    return re.sub(r'"embedding_sketch": (\[[^\]]*\])', lambda m: f'"embedding_sketch": {json.dumps(json.loads(m[1]))}', text)
+
+
+def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata: dict | None = None,
+                 target=None) -> Path:
     """Write ``drafter`` to ``directory`` (created); float tensors stored as ``storage_dtype``.
+    With ``target`` (the model it was trained for, or its ``identity``) that is recorded, and
+    ``load_drafter`` refuses other models (module docstring).
 
     Other files in the directory (``calibration.json``) are kept. Saving over an earlier drafter
     replaces each file whole; a save that fails or is killed part-way leaves the earlier drafter,
@@ -107,8 +192,10 @@ def save_drafter(drafter, directory, *, storage_dtype: str = "float32", metadata
         "metadata": metadata or {},
         WEIGHTS_ID: weights_id,
     }
+    if target is not None:
+        config[TARGET] = target if isinstance(target, dict) else target_identity(target)
     try:  # before any file is touched: metadata JSON cannot hold must not cost the earlier drafter
-        config_text = json.dumps(config, indent=2) + "\n"
+        config_text = config_json(config)
     except (TypeError, ValueError) as error:
         raise TypeError(f"save_drafter: metadata must be JSON-serialisable ({error}); nothing was written") from error
     out.mkdir(parents=True, exist_ok=True)
@@ -191,7 +278,11 @@ def _read_config(directory) -> tuple[DrafterConfig, dict]:
 
 
 def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
-    """The drafter config and the free-form metadata of a checkpoint directory."""
+    """The drafter config and the free-form metadata of a checkpoint directory (for a DeepSpec
+    checkpoint, ``{"deepspec": its config.json}``)."""
+    if is_deepspec_checkpoint(directory):
+        cfg, raw = read_deepspec_config(directory)
+        return cfg, {"deepspec": raw}
     cfg, raw = _read_config(directory)
     return cfg, raw.get("metadata", {})
 
@@ -214,23 +305,38 @@ def _read_weights(directory: Path) -> tuple[dict[str, np.ndarray], str | None]:
     return tensors, header.get(WEIGHTS_ID)
 
 
-def load_drafter(directory, *, target: TargetConfig | None = None, dtype=jnp.float32):
+def load_drafter(directory, *, target=None, dtype=jnp.float32):
     """Load a drafter; with ``target`` given, refuse one that does not fit it (naming why).
+
+    ``target`` is the target model (its config is checked, and its embedding against the one the
+    drafter was trained with, where the checkpoint records it), or only its ``TargetConfig``.
 
     Every way a checkpoint can be damaged is a ``ValueError`` naming the file: tensors missing,
     unexpected, of the wrong shape or kind (integer weights, a float ``d2t``), non-finite weights,
     and a ``config.json`` and ``model.safetensors`` from different saves.
+
+    A checkpoint DeepSpec saved (``checkpoints.deepspec``: the official DSpark drafters) loads
+    too, refused for a target whose embedding is not the one it was saved with.
     """
-    cfg, raw = _read_config(directory)
     directory = Path(directory)
+    deepspec = is_deepspec_checkpoint(directory)
+    if deepspec:
+        cfg, tensors, trained_for = read_deepspec_drafter(directory)  # under our names already
+        raw, weights, weights_id = {}, directory, None
+    else:
+        cfg, raw = _read_config(directory)
+        trained_for, weights = raw.get(TARGET), directory / WEIGHTS_FILE
+        tensors = None  # read once the target is checked: a wrong one fails before the weights load
     if target is not None:
         try:
-            cfg.check_target(target)
+            cfg.check_target(getattr(target, "cfg", target))
         except ValueError as error:  # say which checkpoint: a run may load several
             raise ValueError(f"{directory / CONFIG_FILE}: {error} (a drafter is trained for one target: train or "
                              "pick one for this target)") from None
-    weights = directory / WEIGHTS_FILE
-    tensors, weights_id = _read_weights(directory)
+        if trained_for is not None:
+            _check_trained_target(directory, trained_for, target, in_config=not deepspec)
+    if tensors is None:
+        tensors, weights_id = _read_weights(directory)
     ids = tensors.get(D2T) if cfg.draft_vocab_size is not None else None
     if ids is not None and not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"{weights}: {D2T} is stored as {ids.dtype}, not integers (the reduced head's draft -> "

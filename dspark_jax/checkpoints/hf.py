@@ -107,7 +107,8 @@ def config_from_hf(hf: Mapping) -> TargetConfig:
     )
 
 
-def config_to_hf(cfg: TargetConfig) -> dict:
+def config_to_hf(cfg: TargetConfig, torch_dtype: str = "float32") -> dict:
+    """The HF ``config.json`` of ``cfg``, whose weights are stored in ``torch_dtype``."""
     hf = {
         "architectures": [_HF_MODEL_TYPES[cfg.architecture]],
         "model_type": cfg.architecture,
@@ -126,7 +127,7 @@ def config_to_hf(cfg: TargetConfig) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
-        "torch_dtype": "float32",
+        "torch_dtype": torch_dtype,
     }
     if cfg.rope_scaling is not None:
         s = cfg.rope_scaling
@@ -265,7 +266,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 @contextlib.contextmanager
-def _safetensors(path: Path):
+def open_safetensors(path: Path):
     """``safe_open`` (``framework="flax"`` reads bfloat16, which the numpy reader cannot), with a
     damaged file named in a ``ValueError`` rather than the reader's own error."""
     from safetensors import SafetensorError, safe_open
@@ -278,12 +279,12 @@ def _safetensors(path: Path):
                          "written") from None
 
 
-def _open_safetensors_files(directory: Path) -> dict[str, Path]:
+def safetensors_files(directory: Path) -> dict[str, Path]:
     """Map tensor name -> file, for a single ``model.safetensors`` or a sharded index. Where a
     directory has both, the single file is the checkpoint, as transformers loads it."""
     index, single = directory / INDEX_FILE, directory / SINGLE_FILE
     if single.exists():
-        with _safetensors(single) as f:
+        with open_safetensors(single) as f:
             return {name: single for name in f.keys()}
     if index.exists():
         weight_map = read_json(index).get("weight_map")
@@ -296,23 +297,26 @@ def _open_safetensors_files(directory: Path) -> dict[str, Path]:
     raise ValueError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def _read_tensors(files: Mapping[str, Path], names: list[str] | None = None) -> dict[str, np.ndarray]:
+def read_tensors(files: Mapping[str, Path], names: set[str], dtype) -> dict[str, np.ndarray]:
+    """The tensors ``names``, each cast to ``dtype`` as it is read: a bfloat16 model never holds a
+    float32 copy of itself (every float dtype converts to float32 exactly, so the one rounding to
+    ``dtype`` gives what a float32 detour would)."""
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
-        if names is None or name in names:
+        if name in names:
             by_file.setdefault(path, []).append(name)
     out = {}
     for path, file_names in by_file.items():
-        with _safetensors(path) as f:
+        with open_safetensors(path) as f:
             for name in file_names:
-                out[name] = np.asarray(f.get_tensor(name).astype(jnp.float32))
+                out[name] = np.asarray(f.get_tensor(name).astype(dtype))
     return out
 
 
 def _read_shapes(files: Mapping[str, Path]) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for path in sorted(set(files.values())):
-        with _safetensors(path) as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 if files.get(name) == path:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -333,12 +337,12 @@ def load_hf_checkpoint(directory: str | os.PathLike, dtype=jnp.float32) -> Targe
         cfg = config_from_hf(read_json(config_path))
     except ValueError as error:
         raise ValueError(f"{config_path}: {error}") from None
-    files = _open_safetensors_files(directory)
+    files = safetensors_files(directory)
     shapes = _read_shapes(files)
     tied_extra = ("lm_head.weight",) if cfg.tie_word_embeddings and "lm_head.weight" in shapes else ()
     check_inventory(cfg, shapes, redundant_ok=tied_extra)
     names = [n for n in shapes if not n.endswith(_IGNORED_SUFFIXES)]
-    tensors = _read_tensors(files, names)
+    tensors = read_tensors(files, set(names), dtype)
     return TargetModel.from_module(module_from_hf_tensors(cfg, tensors, dtype))
 
 
@@ -357,7 +361,9 @@ def save_hf_tensors(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _remove_weights(directory)
-    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    stored = sorted({t.dtype.name for t in tensors.values()})
+    torch_dtype = stored[0] if len(stored) == 1 else "float32"  # HF's config names one dtype for the model
+    (directory / "config.json").write_text(json.dumps(config_to_hf(cfg, torch_dtype), indent=2))
     if max_shard_bytes is None:
         save_safetensors(dict(tensors), directory / SINGLE_FILE, metadata={"format": "pt"})
         return directory

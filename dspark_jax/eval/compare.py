@@ -65,17 +65,18 @@ def read_prompts_jsonl(path, limit: int | None = None) -> list[str]:
     return prompts
 
 
-def load_drafter_spec(spec: str, target_cfg, *, dtype="float32"):
+def load_drafter_spec(spec: str, target, *, dtype="float32"):
     """``(name, drafter)`` from a shipped drafter name or a checkpoint directory, its weights in ``dtype``.
 
     Raises ``ValueError`` / ``FileNotFoundError`` with a message that names the problem (unknown
-    name, drafter not shipped yet, not a checkpoint, does not fit the target).
+    name, drafter not shipped yet, not a checkpoint, does not fit the ``target`` model or was
+    trained for another).
     """
     from dspark_jax.checkpoints.drafter import load_drafter
     from dspark_jax.drafters import resolve_drafter
 
     name, path = resolve_drafter(spec)
-    return name, load_drafter(path, target=target_cfg, dtype=dtype)
+    return name, load_drafter(path, target=target, dtype=dtype)
 
 
 def policy_for(drafter_cfg, policy, *, directory=None, sampling=None):

@@ -724,12 +724,12 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def warm_start(directory: Path, cfg: DrafterConfig, target: TargetConfig, *, seed: int):
-    """The exported drafter at ``directory``, refused unless it is the drafter ``cfg`` describes
-    (its reduced vocabulary comes with it), or the same block drafter grown: fewer layers get
-    identity layers appended (``Drafter.deepened``), a narrower vanilla Markov head is widened
-    (``Drafter.widened_markov``), a vanilla head becomes a gated one (``Drafter.gated_markov``);
-    all function-preserving, seeded by ``seed``."""
+def warm_start(directory: Path, cfg: DrafterConfig, target, *, seed: int):
+    """The exported drafter at ``directory``, refused unless it was trained for the ``target``
+    model and is the drafter ``cfg`` describes (its reduced vocabulary comes with it), or the same
+    block drafter grown: fewer layers get identity layers appended (``Drafter.deepened``), a
+    narrower vanilla Markov head is widened (``Drafter.widened_markov``), a vanilla head becomes a
+    gated one (``Drafter.gated_markov``); all function-preserving, seeded by ``seed``."""
     if not (directory / CONFIG_FILE).exists():
         raise FileNotFoundError(f"init_from: no exported drafter at {directory} (train that run first)")
     drafter = load_drafter(directory, target=target)
@@ -804,7 +804,7 @@ class Trainer:
         cfg = drafter_config(config, target.cfg)
         embed, head = jax.jit(target.embedding_and_head)(target.params)
         if config.init_dir is not None:
-            drafter = warm_start(config.init_dir, cfg, target.cfg, seed=config.seed)
+            drafter = warm_start(config.init_dir, cfg, target, seed=config.seed)
         else:
             drafter = build_drafter(cfg, seed=config.seed, draft_vocab_ids=draft_vocab(config, sequences, target.cfg.vocab_size))
             if drafter.draft_head is not None:
@@ -1001,9 +1001,10 @@ def check_before_cache(config: TrainConfig, target) -> None:
         raise ValueError(f"TrainConfig.out_dir {config.out_dir} {where}, not a directory: give the run another out_dir")
 
 
-def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> Path:
-    """Save the trained drafter to ``out_dir/drafter`` with a summary of its run (the lead process
-    writes it; every process returns once it is written)."""
+def export(config: TrainConfig, drafter, target, sequences, seconds: float, **extra) -> Path:
+    """Save the trained drafter to ``out_dir/drafter`` with a summary of its run and the identity of
+    the ``target`` it was trained for (the lead process writes it; every process returns once it is
+    written)."""
     out = Path(config.out_dir) / "drafter"
     if not multihost.is_lead():
         multihost.barrier(f"exported {out}")
@@ -1020,7 +1021,7 @@ def export(config: TrainConfig, drafter, sequences, seconds: float, **extra) -> 
         "train_seconds_this_run": seconds,
         **extra,
     }
-    save_drafter(drafter, out, storage_dtype=config.storage_dtype, metadata=summary)
+    save_drafter(drafter, out, storage_dtype=config.storage_dtype, metadata=summary, target=target)
     multihost.barrier(f"exported {out}")
     return out
 
@@ -1043,7 +1044,7 @@ def run(config: TrainConfig, *, stop_after: int | None = None, progress: bool = 
     drafter = train(config, target, sequences, heldout=heldout, stop_after=stop_after, progress=progress)
     if drafter is None:
         return None
-    return export(config, drafter, sequences, time.perf_counter() - start)
+    return export(config, drafter, target, sequences, time.perf_counter() - start)
 
 
 BUDGET_FILE = "budget.json"
@@ -1139,5 +1140,5 @@ def run_budgeted(configs: list[TrainConfig], budget_s: float, *, data_fraction: 
     if done < plan["steps"] and progress:
         print(f"budget: the deadline came after {done} of {plan['steps']} steps; exporting those "
               "(rerun the command to resume)")
-    return [export(dataclasses.replace(config, steps=done), drafter, sequences, seconds, budget=plan)
+    return [export(dataclasses.replace(config, steps=done), drafter, target, sequences, seconds, budget=plan)
             for config, drafter in zip(configs, drafters)]

@@ -1,0 +1,158 @@
+"""Official DSpark drafters (DeepSpec's ``Qwen3DSparkModel`` checkpoints) load and draft as DeepSpec does.
+
+``tests/fixtures/tiny_deepspec/<variant>/`` were saved by DeepSpec's own model class and
+``tests/goldens/tiny_deepspec.npz`` holds what its evaluator drafted from them
+(``scripts/make_deepspec_goldens.py``, run with a DeepSpec checkout, torch and transformers; CI
+needs none of them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dspark_jax.checkpoints.drafter import load_drafter, read_drafter_config
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+from dspark_jax.models.target import TargetModel
+from tests.tiny import tiny_target
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tiny_deepspec"
+GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_deepspec.npz")
+# The tiny Qwen3 target the fixtures' drafters were configured for (make_deepspec_goldens.TARGET).
+SHAPE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
+             head_dim=16, rms_norm_eps=1e-6, qk_norm=True, architecture="qwen3")
+
+
+def frozen(name: str) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The embedding and LM head saved in the checkpoint: copies of its target's."""
+    tensors = load_file(str(FIXTURES / name / "model.safetensors"))
+    return jnp.asarray(tensors["embed_tokens.weight"]), jnp.asarray(tensors["lm_head.weight"])
+
+
+def its_target(name: str, seed: int = 0, **overrides) -> TargetModel:
+    """A tiny Qwen3 target whose embedding is the one the checkpoint was saved with."""
+    module = tiny_target(seed=seed, **{**SHAPE, **overrides}).module()
+    module.embed[...] = frozen(name)[0]
+    return TargetModel.from_module(module)
+
+
+@pytest.mark.parametrize("name", ["gated", "rnn", "dflash"])
+def test_a_deepspec_checkpoint_drafts_what_deepspec_drafted(name):
+    """The block's hidden states, base and Markov-corrected logits, greedy tokens and confidence
+    logits after the same context features, against DeepSpec's own evaluator functions."""
+    drafter = load_drafter(FIXTURES / name)
+    cfg = drafter.cfg
+    assert (cfg.kind, cfg.markov_head, cfg.confidence_head) == {
+        "gated": ("dspark", "gated", True), "rnn": ("dspark", "rnn", True), "dflash": ("dflash", "none", False)}[name]
+    assert cfg.tap_layers == (0, 2) and cfg.block_size == 4 and cfg.mask_token_id == 3
+    assert cfg.confidence_with_markov == (name == "gated")
+    assert read_drafter_config(FIXTURES / name)[0] == cfg
+    embed, head = frozen(name)
+    rows, anchor = int(GOLDEN["context_rows"]), int(GOLDEN["anchor"])
+    context = drafter.extend_context(embed, drafter.new_context(1, rows + cfg.block_size + 1),
+                                     jnp.asarray(GOLDEN[f"{name}/features"])[None], None, jnp.array([rows]))
+    hidden = drafter.backbone.forward_block(embed, context, jnp.array([anchor]))
+    np.testing.assert_allclose(hidden[0], GOLDEN[f"{name}/hidden"], atol=2e-5)
+    np.testing.assert_allclose(drafter.base_logits(hidden, head)[0], GOLDEN[f"{name}/base_logits"], atol=5e-5)
+    tokens = GOLDEN[f"{name}/tokens"]
+    corrected, confidence = drafter.teacher_forced(hidden, head, jnp.asarray([[anchor, *tokens[:-1]]]))
+    np.testing.assert_allclose(corrected[0], GOLDEN[f"{name}/corrected_logits"], atol=5e-5)
+    np.testing.assert_array_equal(np.argmax(corrected[0], axis=-1), tokens)
+    if name == "dflash":
+        assert confidence is None
+    else:
+        np.testing.assert_allclose(confidence[0], GOLDEN[f"{name}/confidence_logits"], atol=2e-5)
+
+
+def test_a_deepspec_drafter_decodes_its_target_losslessly():
+    target = its_target("gated")
+    drafter = load_drafter(FIXTURES / "gated", target=target)
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
+    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size)).generate(
+        prompts, max_new_tokens=12)
+    assert got.tokens == want.tokens
+
+
+def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_path):
+    """Its saved embedding is the record of its target; the rest of the refusals name the field or
+    tensor; a confidence head saved without a bias (checkpoints in the wild have none) loads."""
+    with pytest.raises(ValueError, match=r"trained for another target of this width and vocabulary.*\(dspark train\)$"):
+        load_drafter(FIXTURES / "gated", target=tiny_target(seed=5, **SHAPE))
+    with pytest.raises(ValueError, match="trained for a target of 4 decoder layers, and this target has 5"):
+        load_drafter(FIXTURES / "gated", target=its_target("gated", num_layers=5))
+
+    def damaged(edit_config=None, drop=None) -> Path:
+        directory = shutil.copytree(FIXTURES / "gated", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+        if edit_config:
+            config = json.loads((directory / "config.json").read_text())
+            (directory / "config.json").write_text(json.dumps({**config, **edit_config}))
+        if drop:
+            tensors = load_file(str(directory / "model.safetensors"))
+            del tensors[drop]
+            save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+
+    refusals = [
+        (dict(architectures=["Gemma4DSparkModel"]), None, r"\['Gemma4DSparkModel'\]; this reads DeepSpec's Qwen3DSparkModel"),
+        (dict(architectures=["DSparkDraftModel"]), None, r"architecture \['DSparkDraftModel'\]"),
+        (dict(architectures=None, speculators_model_type="dspark"), None, "a speculators DSpark export"),
+        (dict(target_layer_ids=[-1, 2]), None, "target_layer_ids has -1"),
+        (dict(block_size="seven"), None, "block_size.*the checkpoint is damaged"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), None, "sliding-window draft layers"),
+        (dict(target_layer_ids=[0, 3]), None, "tap layer 3 is the target's final layer"),
+        (None, "markov_head.gate_proj.bias", r"missing \['markov_head.gate_proj.bias'\]"),
+        (dict(markov_head_type="vanilla"), None, r"unexpected \['markov_head.gate_proj.bias', "
+                                                 r"'markov_head.gate_proj.weight'\]"),
+    ]
+    for edit, drop, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            load_drafter(damaged(edit, drop), target=its_target("gated"))
+    no_bias = load_drafter(damaged(drop="confidence_head.proj.bias"), target=its_target("gated"))
+    assert not no_bias.cfg.confidence_bias and no_bias.confidence.proj.bias is None
+
+
+def test_the_command_line_takes_a_deepspec_directory_as_its_drafter(capsys):
+    from dspark_jax.cli import load_drafter_arg, parse_policy_arg, policy_text
+
+    target = its_target("gated")
+    name, drafter, policy, note = load_drafter_arg(str(FIXTURES / "gated"), target, parse_policy_arg("threshold:0.5"))
+    assert (name, drafter.cfg.markov_head, policy_text(policy), note) == ("gated", "gated", "threshold:0.5", None)
+    with pytest.raises(SystemExit, match="--drafter .*: .*trained for another target"):
+        load_drafter_arg(str(FIXTURES / "gated"), tiny_target(seed=5, **SHAPE))
+
+
+def test_convert_writes_a_deepspec_drafter_as_a_dspark_jax_one(tmp_path, capsys):
+    """The same tensors, bit for bit, without the checkpoint's copies of the target's embedding and
+    head; the record of its target and its DeepSpec config come along."""
+    from dspark_jax import cli
+    from dspark_jax.checkpoints.drafter import drafter_tensors
+
+    out = tmp_path / "converted"
+    assert cli.main(["convert", "--deepspec", str(FIXTURES / "gated"), "--out", str(out)]) == 0
+    assert f"--drafter {out}" in capsys.readouterr().out
+    converted = drafter_tensors(load_drafter(out, target=its_target("gated")))
+    original = drafter_tensors(load_drafter(FIXTURES / "gated"))
+    assert converted.keys() == original.keys()
+    for name, value in original.items():
+        np.testing.assert_array_equal(converted[name], value, err_msg=name)
+    assert not any(v.shape == (SHAPE["vocab_size"], SHAPE["hidden_size"]) for v in load_file(
+        str(out / "model.safetensors")).values())
+    config = json.loads((out / "config.json").read_text())
+    assert config["metadata"]["deepspec_config"]["architectures"] == ["Qwen3DSparkModel"]
+    assert config["target"]["num_layers"] == 4
+    with pytest.raises(ValueError, match="trained for another target.*delete the 'target' section"):
+        load_drafter(out, target=tiny_target(seed=5, **SHAPE))
+    gemma = shutil.copytree(FIXTURES / "gated", tmp_path / "gemma")
+    (gemma / "config.json").write_text(json.dumps({**json.loads((gemma / "config.json").read_text()),
+                                                   "architectures": ["Gemma4DSparkModel"]}))
+    with pytest.raises(SystemExit, match=r"--deepspec .*: .*\['Gemma4DSparkModel'\]"):
+        cli.main(["convert", "--deepspec", str(gemma), "--out", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()
