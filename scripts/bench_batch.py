@@ -35,9 +35,11 @@ from pathlib import Path
 from dspark_jax.cli import add_checkpoint_argument, positive_int
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
+    bench_target,
     json_output,
     read_benchmark_prompts,
     set_quick_defaults,
+    target_label,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -71,12 +73,11 @@ def prompt_texts(benchmarks, sets, per_set: int) -> list[str]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from dspark_jax.checkpoints import load_target
     from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
     from dspark_jax.eval.metrics import mean_batch_rows
 
     texts = prompt_texts(args.benchmarks, args.sets, args.per_set)
-    target, tokenizer = load_target(args.checkpoint, args.dtype)
+    target, tokenizer = bench_target(args.checkpoint, args.dtype)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}]) for text in texts]
     generator = AutoregressiveGenerator(target)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop_ids=tokenizer.stop_ids, batch_size=args.batch_size,
@@ -101,7 +102,7 @@ def main(argv=None) -> dict:
     report = {
         "settings": {"requests": len(prompts), "sets": args.sets, "per_set": args.per_set,
                      "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                     "target": args.checkpoint or "embedded SmolLM2-135M-Instruct", "dtype": args.dtype,
+                     "target": target_label(args.checkpoint, args.dtype),
                      "sampling": "greedy", "drafter": None},
         "runs": runs,
         "completion_lengths": lengths,

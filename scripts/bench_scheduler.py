@@ -3,7 +3,7 @@
 
 What the hardware-aware scheduler is for: a verify forward's cost grows with the batch × width
 it runs at (steeply on a CPU), so a policy that is right at B=1 is wrong at B=8. On the embedded
-SmolLM2-135M-Instruct target with a shipped drafter, greedy:
+SmolLM2-135M-Instruct target (or ``--checkpoint``, in ``--dtype``) with a shipped drafter, greedy:
 
 - prompts: math (GSM8K), code (HumanEval) and chat (MT-Bench) first turns from ``--benchmarks``,
   interleaved, so every batch mixes domains; ``--batches-per-size`` batches of B for each B;
@@ -31,13 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.cli import positive_int
+from dspark_jax.cli import add_checkpoint_argument, positive_int
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     interleaved_texts,
     json_output_with_plot,
     policy_bench,
     set_quick_defaults,
+    target_label,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
     ap.add_argument("--drafter", default="smollm2_135m_dspark")
+    add_checkpoint_argument(ap)
     ap.add_argument("--policy", action="append", default=None,
                     help="repeatable (default: fixed:7, threshold:0.4, scheduler, scheduler-ahead)")
     ap.add_argument("--batches", type=positive_int, nargs="+", default=None,
@@ -134,7 +136,8 @@ def main(argv=None) -> int:
     started, load_start = time.time(), os.getloadavg()
     # One cache length for every decoder, target-only too (eval.bench.policy_decoders).
     target, tokenizer, prompts, max_len, decoders = policy_bench(
-        texts, args.drafter, policies, batches=args.batches, max_new_tokens=args.max_new_tokens)
+        texts, args.drafter, policies, batches=args.batches, max_new_tokens=args.max_new_tokens,
+        checkpoint=args.checkpoint, dtype=args.dtype)
     stops = tokenizer.stop_ids
     baseline = AutoregressiveGenerator(target)
 
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
         "wall_s": time.time() - started,
         "machine": machine_info(),
         "load_avg_start": load_start,
-        "settings": {"drafter": args.drafter, "batches": args.batches, "batches_per_size": args.batches_per_size,
+        "settings": {"target": target_label(args.checkpoint, args.dtype), "drafter": args.drafter, "batches": args.batches, "batches_per_size": args.batches_per_size,
                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "greedy": True,
                      "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "policies": {n: policy_text(d.policy) for n, d in decoders.items()},
@@ -209,7 +212,7 @@ def main(argv=None) -> int:
     write_json(args.out, json_clean(body), indent=1)
     if not args.no_plot:
         plot(json_clean(results), args.out.with_suffix(".png"),
-             f"SmolLM2-135M + {args.drafter}, greedy, {args.max_new_tokens} new tokens, mixed prompts")
+             f"{target_label(args.checkpoint, args.dtype)} + {args.drafter}, greedy, {args.max_new_tokens} new tokens, mixed prompts")
     for name, per in results.items():
         cells = "  ".join(f"B={b}: {r['tokens_per_s']:.1f} tok/s" + (f" x{r['speedup']:.2f} τ {r['tau']:.2f}"
                                                                   if "speedup" in r else "") for b, r in per.items())

@@ -3,8 +3,8 @@
 
 Where DSpark's scheduler is meant to pay (paper §6.7; vLLM's adaptive verification is measured
 the same way, sweeping load): a fixed verify length that suits one request wastes the verify
-forward once many share it. On the embedded SmolLM2-135M-Instruct target with a shipped drafter,
-greedy unless ``--temperature`` (with ``--top-k``, ``--top-p``) says otherwise:
+forward once many share it. On the embedded SmolLM2-135M-Instruct target (or ``--checkpoint``,
+in ``--dtype``) with a shipped drafter, greedy unless ``--temperature`` (with ``--top-k``, ``--top-p``) says otherwise:
 
 - requests: ``--requests`` math (GSM8K), code (HumanEval) and chat (MT-Bench) first turns,
   interleaved, arriving as a Poisson process at each of ``--rates`` requests per second
@@ -49,13 +49,19 @@ import sys
 import time
 from pathlib import Path
 
-from dspark_jax.cli import add_sampling_arguments, positive_int, sampling_from_args
+from dspark_jax.cli import (
+    add_checkpoint_argument,
+    add_sampling_arguments,
+    positive_int,
+    sampling_from_args,
+)
 from dspark_jax.config import write_json
 from dspark_jax.eval.bench import (
     interleaved_texts,
     json_output_with_plot,
     policy_bench,
     set_quick_defaults,
+    target_label,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +88,7 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--benchmarks", default=str(DEFAULT_BENCHMARKS))
     ap.add_argument("--drafter", default="smollm2_135m_dspark")
+    add_checkpoint_argument(ap)
     ap.add_argument("--policy", action="append", default=None, help="repeatable (default: fixed:7, scheduler)")
     ap.add_argument("--requests", type=positive_int, default=None, help="default 16 (--quick: 4)")
     ap.add_argument("--rates", type=arrival_rate, nargs="+", default=None,
@@ -185,7 +192,7 @@ def main(argv=None) -> int:
     # One cache length for every decoder, target-only too (eval.bench.policy_decoders).
     target, tokenizer, prompts, max_len, speculative = policy_bench(
         texts, args.drafter, policies, batches=profile_batches, max_new_tokens=args.max_new_tokens,
-        sampling=args.sampling)
+        sampling=args.sampling, checkpoint=args.checkpoint, dtype=args.dtype)
     decoders = {TARGET_ONLY: AutoregressiveGenerator(target), **speculative}
     # What every generate call of a run takes besides its batching.
     decoding = dict(stop_ids=tokenizer.stop_ids, max_len=max_len, sampling=args.sampling,
@@ -231,7 +238,8 @@ def main(argv=None) -> int:
         "wall_s": time.time() - started,
         "machine": machine_info(),
         "load_avg_start": load_start,
-        "settings": {"drafter": args.drafter, "requests": len(prompts), "rates": list(arrivals),
+        "settings": {"target": target_label(args.checkpoint, args.dtype), "drafter": args.drafter,
+                     "requests": len(prompts), "rates": list(arrivals),
                      "batch_sizes": args.batch_sizes, "batch_buckets": not args.no_buckets,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                      "sampling": args.sampling.describe(), "sampling_seeds": f"{args.sampling_seed} + request index",
@@ -253,7 +261,7 @@ def main(argv=None) -> int:
     write_json(args.out, json_clean(body), indent=1)
     if not args.no_plot:
         plot(json_clean(summaries), compared["pareto_front"], args.out.with_suffix(".png"),
-             f"SmolLM2-135M + {args.drafter}, {args.sampling.describe()}, {len(prompts)} requests of up to "
+             f"{target_label(args.checkpoint, args.dtype)} + {args.drafter}, {args.sampling.describe()}, {len(prompts)} requests of up to "
              f"{args.max_new_tokens} tokens, "
              f"Poisson arrivals")
     print(json.dumps(json_clean(summary)), flush=True)

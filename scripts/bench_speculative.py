@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -147,12 +146,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from dspark_jax.checkpoints import load_target
-    from dspark_jax.checkpoints.drafter import WEIGHTS_FILE, read_drafter_config
+    from dspark_jax.checkpoints.drafter import read_drafter_config
     from dspark_jax.cli import check_drafter_arg, load_drafter_arg, parse_policy_arg, policy_text
     from dspark_jax.config import SamplingConfig
     from dspark_jax.drafters import resolve_drafter
-    from dspark_jax.eval.bench import machine_info
+    from dspark_jax.eval.bench import bench_target, machine_info, target_label, weights_digest
     from dspark_jax.eval.compare import (
         Comparison,
         decoding_cache_len,
@@ -176,7 +174,7 @@ def main(argv=None) -> int:
     load_avg_start = os.getloadavg()
     started = time.time()
     t0 = time.perf_counter()
-    target, tokenizer = load_target(args.checkpoint, args.dtype)
+    target, tokenizer = bench_target(args.checkpoint, args.dtype)
     print(f"loaded target ({target.num_params / 1e6:.1f}M params) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     domains = load_domains(texts, tokenizer)
     lens = [len(ids) for d in domains.values() for ids in d["ids"]]
@@ -188,7 +186,7 @@ def main(argv=None) -> int:
     for spec in args.drafter:
         chosen_here = []
         _, source = resolve_drafter(spec)
-        weights = hashlib.sha256((source / WEIGHTS_FILE).read_bytes()).hexdigest()
+        weights = weights_digest(source)
         for text, policy in policies:
             name, drafter, chosen, note = load_drafter_arg(spec, target, policy, fallback=True, sampling=sampling)
             if chosen in chosen_here:  # e.g. a baseline's fixed:γ stand-in for every confidence policy
@@ -340,7 +338,7 @@ def main(argv=None) -> int:
     if not args.no_plot:
         mi = result["machine"]
         plot(json_clean(results), png_path,
-             f"per-position acceptance, SmolLM2-135M, B=1, {args.max_new_tokens} new tokens, "
+             f"per-position acceptance, {target_label(args.checkpoint, args.dtype)}, B=1, {args.max_new_tokens} new tokens, "
              f"{args.prompts_per_domain} prompts/domain; jax {mi['jax']} {mi['backend']}")
 
     for name, r in results.items():

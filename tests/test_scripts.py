@@ -186,3 +186,46 @@ def test_write_json_replaces_the_file_whole(tmp_path):
     write_json(out, {"c": 3})
     assert json.loads(out.read_text()) == {"c": 3} and theirs.read_text() == "half of another process's"
     assert partial_path(out) != partial_path(out)
+
+
+@pytest.mark.parametrize("script", ["bench_batch", "bench_scheduler", "bench_serving", "bench_speculative"])
+def test_the_decoding_benchmarks_run_on_the_users_target_in_the_dtype_asked(script, monkeypatch, tmp_path):
+    """``--checkpoint`` / ``--dtype`` reach the target's loader (a GPU user benchmarks their own
+    model in bfloat16), and a checkpoint that does not load is one line that names it."""
+    loaded = []
+
+    def load_target(checkpoint=None, dtype="float32"):
+        loaded.append((checkpoint, dtype))
+        raise ValueError("not a checkpoint")
+
+    monkeypatch.setattr("dspark_jax.checkpoints.load_target", load_target)
+    argv = ["--quick", "--benchmarks", str(REPO / "tests" / "fixtures" / "bench_prompts"), "--out",
+            str(tmp_path / "r.json"), "--checkpoint", "my_model.gguf", "--dtype", "bfloat16"]
+    with pytest.raises(SystemExit, match=r"^--checkpoint 'my_model.gguf': not a checkpoint$"):
+        load_script(script).main(argv)
+    assert loaded == [("my_model.gguf", "bfloat16")]
+
+
+def test_benchmarks_name_their_target_and_its_dtype():
+    from dspark_jax.eval.bench import target_label
+
+    assert target_label(None) == "SmolLM2-135M-Instruct"
+    assert target_label("/models/qwen3-4b/", "bfloat16") == "qwen3-4b (bfloat16)"
+    assert target_label("llama.Q4_0.gguf") == "llama.Q4_0.gguf"
+
+
+def test_drafters_of_the_same_weights_share_a_digest_whatever_their_calibration(tmp_path):
+    """bench_speculative gives scheduler decoders of identical weights one cost table (an A/B of
+    calibrations); a DeepSpec checkpoint, which has other files than a drafter saved here, has one too."""
+    import shutil
+
+    from dspark_jax.drafters import shipped_drafter_path
+    from dspark_jax.eval.bench import weights_digest
+
+    shipped = shipped_drafter_path("smollm2_135m_dspark")
+    copy = shutil.copytree(shipped, tmp_path / "copy")
+    (copy / "calibration.json").write_text("{}")
+    assert weights_digest(copy) == weights_digest(shipped)
+    deepspec = REPO / "tests" / "fixtures" / "tiny_deepspec"
+    digests = {weights_digest(deepspec / name) for name in ("gated", "rnn", "dflash")} | {weights_digest(shipped)}
+    assert len(digests) == 4

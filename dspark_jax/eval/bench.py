@@ -4,6 +4,7 @@ prompts, timing and machine info."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -74,6 +75,18 @@ def interleaved_texts(directory, count: int) -> list[str]:
     return texts
 
 
+def weights_digest(directory) -> str:
+    """SHA-256 of a drafter checkpoint's safetensors files (one, or a DeepSpec checkpoint's shards),
+    not of its calibration: two directories of the same weights share a digest."""
+    from dspark_jax.checkpoints.hf import safetensors_files
+
+    digest = hashlib.sha256()
+    for path in sorted(set(safetensors_files(Path(directory)).values())):
+        with open(path, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return digest.hexdigest()
+
+
 def policy_decoders(target, drafter_spec: str, policies: dict, *, batches: Sequence[int], max_len: int,
                     sampling=None) -> dict:
     """One speculative decoder for ``--drafter drafter_spec`` per ``--policy`` (``policies``: text
@@ -118,17 +131,36 @@ class PolicyBench(NamedTuple):
     decoders: dict  # --policy text -> SpeculativeDecoder
 
 
+def bench_target(checkpoint: str | None, dtype: str = "float32"):
+    """``(target, tokenizer)`` for a script's ``--checkpoint`` / ``--dtype``
+    (``cli.add_checkpoint_argument``; None is the embedded target); a checkpoint that does not
+    load ends the script with one line that names it."""
+    from dspark_jax import checkpoints
+
+    try:
+        return checkpoints.load_target(checkpoint, dtype)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--checkpoint {checkpoint!r}: {error}") from None
+
+
+def target_label(checkpoint: str | None, dtype: str = "float32") -> str:
+    """How a benchmark's JSON and plot name its target: the checkpoint's file or directory name
+    (the embedded SmolLM2 for None), and its dtype where it is not float32."""
+    name = Path(checkpoint).name if checkpoint else "SmolLM2-135M-Instruct"
+    return name if dtype == "float32" else f"{name} ({dtype})"
+
+
 def policy_bench(texts: Sequence[str], drafter_spec: str, policies: dict, *, batches: Sequence[int],
-                 max_new_tokens: int, sampling=None) -> PolicyBench:
-    """The embedded target, ``texts`` as chat-templated prompts, the one cache length for them
-    (longest prompt + ``max_new_tokens`` + the drafter's γ + 1) and ``policy_decoders`` on it
+                 max_new_tokens: int, sampling=None, checkpoint: str | None = None,
+                 dtype: str = "float32") -> PolicyBench:
+    """The target (``bench_target``), ``texts`` as chat-templated prompts, the one cache length for
+    them (longest prompt + ``max_new_tokens`` + the drafter's γ + 1) and ``policy_decoders`` on it
     (for ``sampling``, default greedy)."""
     from dspark_jax.checkpoints.drafter import read_drafter_config
-    from dspark_jax.checkpoints.gguf import load_embedded_target
     from dspark_jax.decoding.autoregressive import cache_len
     from dspark_jax.drafters import resolve_drafter
 
-    target, tokenizer = load_embedded_target()
+    target, tokenizer = bench_target(checkpoint, dtype)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     slack = read_drafter_config(resolve_drafter(drafter_spec)[1])[0].block_size + 1
     max_len = cache_len([len(p) for p in prompts], max_new_tokens, target.cfg.max_position_embeddings, slack)
