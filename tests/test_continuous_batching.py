@@ -250,6 +250,37 @@ def test_a_prompt_padded_past_its_cache_is_prefilled_within_it(tiny, make):
     assert result.tokens == wide
 
 
+@pytest.mark.parametrize("make", [
+    lambda target, drafter: AutoregressiveGenerator(target),
+    lambda target, drafter: SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)),
+], ids=["target-only", "speculative"])
+def test_arrivals_count_from_the_call(tiny, make, monkeypatch):
+    """``arrivals`` are seconds after ``generate`` is called: the time it spends checking the
+    requests (made 0.2 s here) is queueing they wait through, so a serving run timed from the
+    call (``engine.load.serve``) does not overstate their latency by it."""
+    import sys
+
+    target, drafter, prompts, _ = tiny
+    runner = make(target, drafter)
+    module = sys.modules[type(runner).__module__]
+    checks, origins = module.prepare_requests, []
+
+    def slow_checks(*args):
+        time.sleep(0.2)
+        return checks(*args)
+
+    class RecordedSlots(Slots):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            origins.append(self.start)
+
+    monkeypatch.setattr(module, "prepare_requests", slow_checks)
+    monkeypatch.setattr(module, "Slots", RecordedSlots)
+    called = time.perf_counter()
+    runner.generate(prompts[:2], max_new_tokens=2, stop_ids=[STOP], arrivals=[0.0, 0.05])
+    assert len(origins) == 1 and origins[0] - called < 0.1, origins[0] - called
+
+
 @pytest.mark.parametrize("buckets", [False, True], ids=["rows", "buckets"])
 @pytest.mark.parametrize("make", [
     lambda target, drafter: AutoregressiveGenerator(target),

@@ -358,12 +358,13 @@ class AutoregressiveGenerator:
         the size changes. Every size compiles its own programs (``warmup(buckets=True)``), and
         ``on_step`` gets as many tokens as the step had rows.
         """
+        called = time.perf_counter()  # arrivals count from here, not after the checks below
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return GenerationResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0)
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets)
+                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets, start=called)
         self.rows.check_batch(slots.rows)
         # Fitting the default cache refuses positions past the model's: a max_len given by hand
         # must not skip that.

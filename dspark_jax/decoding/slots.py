@@ -57,15 +57,16 @@ class Slots:
     ``buckets``: the batch has ``live`` rows, the smallest of ``sizes`` that holds the rows in
     flight (else always ``rows``); ``request_of`` has ``live`` entries.
 
-    ``arrivals``: per request, the seconds after this object is made at which it arrives (default:
-    all at once). Requests are taken in order of arrival (ties in index order), each only once
-    ``clock()`` has reached its arrival (a fixed batch then takes those that have, up to
-    ``rows``); ``sleep`` waits for one (both replaceable for tests).
+    ``arrivals``: per request, the seconds after ``start`` (a ``clock()`` reading; default: when
+    this object is made) at which it arrives (default: all at once). Requests are taken in order
+    of arrival (ties in index order), each only once ``clock()`` has reached its arrival (a fixed
+    batch then takes those that have, up to ``rows``); ``sleep`` waits for one (both replaceable
+    for tests).
     """
 
     def __init__(self, num_requests: int, rows: int, devices: int = 1, *, continuous: bool = True,
                  arrivals: Collection[float] | None = None, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep, buckets: bool = False):
+                 sleep: Callable[[float], None] = time.sleep, buckets: bool = False, start: float | None = None):
         if rows < 1:
             raise ValueError(f"a batch needs at least one row, got {rows}")
         self.rows, self.continuous, self.buckets = rows, continuous, buckets
@@ -75,7 +76,7 @@ class Slots:
         self.waiting = deque(int(i) for i in order)
         self._arrival_order_s = arrival_s[order]  # ascending; waiting = the last len(waiting) of them
         self.clock, self.sleep = clock, sleep
-        self.start = clock()
+        self.start = clock() if start is None else start
         self.sizes = refill_sizes(rows, devices)
 
     @property

@@ -491,12 +491,13 @@ class SpeculativeDecoder:
         every batch size the decoder may run (``scheduler.profile.profiled(batches=...)``), and the
         round after a resize drafts (the last round's block, which plain rounds reuse for their
         shapes, has the old rows)."""
+        called = time.perf_counter()  # arrivals count from here, not after the checks below
         requests = prepare_requests(prompts, self.target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
         count = requests.batch
         if requests.max_new_tokens == 0:
             return SpeculativeResult([[] for _ in range(count)], ["length"] * count, 0.0, 0.0, 0, [], [], [], [])
         slots = Slots(count, count if batch_size is None else as_int(batch_size, "batch_size"), self.rows.devices,
-                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets)
+                      continuous=continuous, arrivals=arrivals, buckets=batch_buckets, start=called)
         self.rows.check_batch(slots.rows)
         if hasattr(self.policy, "check_batches"):  # a missing cost table fails now, not mid-run
             self.policy.check_batches(slots.sizes if batch_buckets else [slots.rows])
