@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
     report = {
         "settings": {"requests": len(prompts), "sets": args.sets, "per_set": args.per_set,
                      "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
-                     "target": target_label(args.checkpoint, args.dtype),
+                     "target": target_label(args.checkpoint, args.dtype), "dtype": args.dtype,
                      "sampling": "greedy", "drafter": None},
         "runs": runs,
         "completion_lengths": lengths,

@@ -197,7 +197,8 @@ def main(argv=None) -> int:
         "wall_s": time.time() - started,
         "machine": machine_info(),
         "load_avg_start": load_start,
-        "settings": {"target": target_label(args.checkpoint, args.dtype), "drafter": args.drafter, "batches": args.batches, "batches_per_size": args.batches_per_size,
+        "settings": {"target": target_label(args.checkpoint, args.dtype), "dtype": args.dtype, "drafter": args.drafter,
+                     "batches": args.batches, "batches_per_size": args.batches_per_size,
                      "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "greedy": True,
                      "prompts": "math/code/chat first turns interleaved", "cache_len": max_len},
         "policies": {n: policy_text(d.policy) for n, d in decoders.items()},
@@ -212,7 +213,8 @@ def main(argv=None) -> int:
     write_json(args.out, json_clean(body), indent=1)
     if not args.no_plot:
         plot(json_clean(results), args.out.with_suffix(".png"),
-             f"{target_label(args.checkpoint, args.dtype)} + {args.drafter}, greedy, {args.max_new_tokens} new tokens, mixed prompts")
+             f"{target_label(args.checkpoint, args.dtype)} + {args.drafter}, greedy, {args.max_new_tokens} new tokens, "
+             "mixed prompts")
     for name, per in results.items():
         cells = "  ".join(f"B={b}: {r['tokens_per_s']:.1f} tok/s" + (f" x{r['speedup']:.2f} τ {r['tau']:.2f}"
                                                                   if "speedup" in r else "") for b, r in per.items())

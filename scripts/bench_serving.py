@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         "wall_s": time.time() - started,
         "machine": machine_info(),
         "load_avg_start": load_start,
-        "settings": {"target": target_label(args.checkpoint, args.dtype), "drafter": args.drafter,
+        "settings": {"target": target_label(args.checkpoint, args.dtype), "dtype": args.dtype, "drafter": args.drafter,
                      "requests": len(prompts), "rates": list(arrivals),
                      "batch_sizes": args.batch_sizes, "batch_buckets": not args.no_buckets,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed,

@@ -357,6 +357,28 @@ def test_bench_serving_quick_writes_documented_json(tmp_path, capsys, shared_tar
     assert data["summary"]["pareto_front"] and out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_bench_scheduler_and_bench_batch_quick_write_documented_json(tmp_path, capsys, shared_shallow_target,
+                                                                     shallow_drafter_dir):
+    fixtures = str(REPO / "tests" / "fixtures" / "bench_prompts")
+    out = tmp_path / "scheduler.json"
+    argv = ["--quick", "--benchmarks", fixtures, "--drafter", str(shallow_drafter_dir), "--policy", "fixed:7",
+            "--policy", "scheduler", "--batches", "1", "2", "--max-new-tokens", "3", "--out", str(out)]
+    assert load_script("bench_scheduler").main(argv) == 0
+    data = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == data["summary"]
+    assert data["summary"]["identical"] is True and data["compiles_while_timing"] == 0
+    assert set(data["summary"]["speedup"]) == {"fixed:7", "scheduler"}
+    assert (data["settings"]["target"], data["settings"]["dtype"]) == ("SmolLM2-135M-Instruct", "float32")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+    out = tmp_path / "batch.json"
+    report = load_script("bench_batch").main(["--quick", "--benchmarks", fixtures, "--max-new-tokens", "3",
+                                               "--rounds", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == report and all(report["identical"].values())
+    assert (report["settings"]["target"], report["settings"]["dtype"]) == ("SmolLM2-135M-Instruct", "float32")
+
+
 def test_bench_speculative_decodes_each_prompt_on_several_sampled_paths(tmp_path, capsys, shared_shallow_target,
                                                                        shallow_drafter_dir):
     import shutil
