@@ -81,13 +81,17 @@ def test_a_deepspec_drafter_decodes_its_target_losslessly():
     assert got.tokens == want.tokens
 
 
-def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_path):
-    """Its saved embedding is the record of its target; the rest of the refusals name the field or
-    tensor; a confidence head saved without a bias (checkpoints in the wild have none) loads."""
-    with pytest.raises(ValueError, match=r"trained for another target of this width and vocabulary.*\(dspark train\)$"):
-        load_drafter(FIXTURES / "gated", target=tiny_target(seed=5, **SHAPE))
-    with pytest.raises(ValueError, match="trained for a target of 4 decoder layers, and this target has 5"):
-        load_drafter(FIXTURES / "gated", target=its_target("gated", num_layers=5))
+def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_path, monkeypatch):
+    """Its saved embedding is the record of its target, checked before the drafter's weights are
+    read (a 4B target's drafter is a gigabyte); the rest of the refusals name the field or tensor;
+    a confidence head saved without a bias (checkpoints in the wild have none) loads."""
+    with monkeypatch.context() as patch:
+        patch.setattr("dspark_jax.checkpoints.drafter.read_deepspec_drafter",
+                      lambda directory: pytest.fail("read the weights for a target it refuses"))
+        with pytest.raises(ValueError, match=r"trained for another target of this width and vocabulary.*\(dspark train\)$"):
+            load_drafter(FIXTURES / "gated", target=tiny_target(seed=5, **SHAPE))
+        with pytest.raises(ValueError, match="trained for a target of 4 decoder layers, and this target has 5"):
+            load_drafter(FIXTURES / "gated", target=its_target("gated", num_layers=5))
 
     def damaged(edit_config=None, drop=None) -> Path:
         directory = shutil.copytree(FIXTURES / "gated", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")

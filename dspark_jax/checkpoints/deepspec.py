@@ -132,14 +132,13 @@ def tensor_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
 
 
 def read_deepspec_drafter(directory):
-    """``(cfg, tensors, identity)``: a DeepSpec checkpoint's drafter config, our drafter's tensors
-    by state path (float32), and the record of its target (``checkpoints.drafter.identity``, from
-    ``num_target_layers`` and ``embed_tokens``). Every tensor the config needs must be there, and
-    nothing else: a missing or extra one is a ``ValueError`` naming it."""
+    """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config and our drafter's tensors by
+    state path (float32); ``trained_for`` reads the record of its target. Every tensor the config
+    needs must be there, and nothing else: a missing or extra one is a ``ValueError`` naming it."""
     from dspark_jax.checkpoints.hf import read_tensors, safetensors_files
 
     directory = Path(directory)
-    cfg, raw = read_deepspec_config(directory)
+    cfg = read_deepspec_config(directory)[0]
     files = safetensors_files(directory)
     sources = tensor_sources(cfg)
     if cfg.confidence_head and "confidence_head.proj.bias" not in files:  # checkpoints in the wild have none
@@ -153,7 +152,7 @@ def read_deepspec_drafter(directory):
                          f"missing {missing}, unexpected {unexpected}")
     read = read_tensors(files, wanted, np.float32)
     tensors = {ours: np.concatenate([read[name] for name in theirs], axis=0) for ours, theirs in sources.items()}
-    return cfg, tensors, trained_for(directory, raw["num_target_layers"])
+    return cfg, tensors
 
 
 def trained_for(directory, num_target_layers: int) -> dict:

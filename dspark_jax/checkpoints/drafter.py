@@ -43,6 +43,7 @@ from dspark_jax.checkpoints.deepspec import (
     read_deepspec_config,
     read_deepspec_drafter,
 )
+from dspark_jax.checkpoints.deepspec import trained_for as deepspec_target
 from dspark_jax.config import DrafterConfig, partial_path
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
@@ -321,21 +322,25 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
     directory = Path(directory)
     deepspec = is_deepspec_checkpoint(directory)
     if deepspec:
-        cfg, tensors, trained_for = read_deepspec_drafter(directory)  # under our names already
-        raw, weights, weights_id = {}, directory, None
+        cfg, deepspec_config = read_deepspec_config(directory)
+        raw, weights = {}, directory
     else:
         cfg, raw = _read_config(directory)
-        trained_for, weights = raw.get(TARGET), directory / WEIGHTS_FILE
-        tensors = None  # read once the target is checked: a wrong one fails before the weights load
+        weights = directory / WEIGHTS_FILE
+    # The weights are read once the target is checked: a wrong one fails before they load.
     if target is not None:
         try:
             cfg.check_target(getattr(target, "cfg", target))
         except ValueError as error:  # say which checkpoint: a run may load several
             raise ValueError(f"{directory / CONFIG_FILE}: {error} (a drafter is trained for one target: train or "
                              "pick one for this target)") from None
-        if trained_for is not None:
-            _check_trained_target(directory, trained_for, target, in_config=not deepspec)
-    if tensors is None:
+        recorded = deepspec_target(directory, deepspec_config["num_target_layers"]) if deepspec else raw.get(TARGET)
+        if recorded is not None:
+            _check_trained_target(directory, recorded, target, in_config=not deepspec)
+    if deepspec:
+        cfg, tensors = read_deepspec_drafter(directory)  # under our names already
+        weights_id = None
+    else:
         tensors, weights_id = _read_weights(directory)
     ids = tensors.get(D2T) if cfg.draft_vocab_size is not None else None
     if ids is not None and not np.issubdtype(ids.dtype, np.integer):
