@@ -393,13 +393,13 @@ def cmd_convert(args) -> int:
     from dspark_jax.checkpoints.gguf import embedded_gguf_path, load_gguf
     from dspark_jax.checkpoints.hf import save_hf_checkpoint
 
-    if args.deepspec:
-        from dspark_jax.checkpoints.deepspec import convert_deepspec_drafter
+    if args.drafter:
+        from dspark_jax.checkpoints.drafter import convert_drafter
 
         try:
-            out = convert_deepspec_drafter(args.deepspec, args.out, storage_dtype=args.dtype)
+            out = convert_drafter(args.drafter, args.out, storage_dtype=args.dtype)
         except (OSError, ValueError) as error:
-            raise SystemExit(f"--deepspec {args.deepspec!r}: {error}") from None
+            raise SystemExit(f"--drafter {args.drafter!r}: {error}") from None
         print(f"wrote dspark-jax drafter to {out} (use it as --drafter {out})")
         return 0
     source = Path(args.gguf) if args.gguf else embedded_gguf_path()
@@ -635,13 +635,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)
 
-    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory, or a DeepSpec "
-                          "drafter as a dspark-jax one")
+    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory, or a DeepSpec or "
+                          "speculators drafter as a dspark-jax one")
     source = conv.add_mutually_exclusive_group()
     source.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
-    source.add_argument("--deepspec", default=None,
-                        help="a DeepSpec drafter checkpoint (Qwen3DSparkModel), written without its copies of the "
-                             "target's embedding and LM head")
+    source.add_argument("--drafter", "--deepspec", dest="drafter", default=None,
+                        help="a drafter checkpoint DeepSpec (Qwen3DSparkModel) or speculators (DSparkDraftModel) "
+                             "saved; DeepSpec's is written without its copies of the target's embedding and LM head")
     conv.add_argument("--out", required=True)
     conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                       help="the written weights' dtype (default float32; bfloat16 halves the checkpoint)")

@@ -86,7 +86,7 @@ def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_p
     read (a 4B target's drafter is a gigabyte); the rest of the refusals name the field or tensor;
     a confidence head saved without a bias (checkpoints in the wild have none) loads."""
     with monkeypatch.context() as patch:
-        patch.setattr("dspark_jax.checkpoints.drafter.read_deepspec_drafter",
+        patch.setattr("dspark_jax.checkpoints.deepspec.read_drafter",
                       lambda directory: pytest.fail("read the weights for a target it refuses"))
         with pytest.raises(ValueError, match=r"trained for another target of this width and vocabulary.*\(dspark train\)$"):
             load_drafter(FIXTURES / "gated", target=tiny_target(seed=5, **SHAPE))
@@ -107,7 +107,6 @@ def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_p
     refusals = [
         (dict(architectures=["Gemma4DSparkModel"]), None, r"\['Gemma4DSparkModel'\]; this reads DeepSpec's Qwen3DSparkModel"),
         (dict(architectures=["DSparkDraftModel"]), None, r"architecture \['DSparkDraftModel'\]"),
-        (dict(architectures=None, speculators_model_type="dspark"), None, "a speculators DSpark export"),
         (dict(target_layer_ids=[-1, 2]), None, "target_layer_ids has -1"),
         (dict(block_size="seven"), None, "block_size.*the checkpoint is damaged"),
         (dict(layer_types=["sliding_attention", "full_attention"]), None, "sliding-window draft layers"),
@@ -157,6 +156,6 @@ def test_convert_writes_a_deepspec_drafter_as_a_dspark_jax_one(tmp_path, capsys)
     gemma = shutil.copytree(FIXTURES / "gated", tmp_path / "gemma")
     (gemma / "config.json").write_text(json.dumps({**json.loads((gemma / "config.json").read_text()),
                                                    "architectures": ["Gemma4DSparkModel"]}))
-    with pytest.raises(SystemExit, match=r"--deepspec .*: .*\['Gemma4DSparkModel'\]"):
+    with pytest.raises(SystemExit, match=r"--drafter .*: .*\['Gemma4DSparkModel'\]"):
         cli.main(["convert", "--deepspec", str(gemma), "--out", str(tmp_path / "no")])
     assert not (tmp_path / "no").exists()

@@ -15,9 +15,12 @@ whole (a drafter takes its target's at run time), but a sketch of ``embed_tokens
 drafter's record of its target, so ``load_drafter`` refuses a target they do not match, as it
 does for drafters trained here.
 
-Refused by name: other architectures (Gemma 4 drafters, ``DSparkDraftModel`` exports),
-``target_layer_ids`` of -1 (the embedding output) or of the target's last layer, sliding-window
-layers and attention biases.
+Refused by name: other architectures (Gemma 4 drafters), ``target_layer_ids`` of -1 (the
+embedding output) or of the target's last layer, sliding-window layers and attention biases.
+speculators' DSpark checkpoints (``checkpoints.speculators``) share these tensor names.
+
+Like ``checkpoints.speculators``, this module is a reader ``checkpoints.drafter`` dispatches to:
+``NAME``, ``claims``, ``read_config``, ``read_drafter`` and ``trained_for``.
 """
 
 from __future__ import annotations
@@ -30,27 +33,32 @@ import numpy as np
 
 from dspark_jax.config import DrafterConfig, as_int, as_ints
 
+NAME = "deepspec"
 ARCHITECTURE = "Qwen3DSparkModel"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
 
 
-def is_deepspec_checkpoint(directory) -> bool:
-    """Whether ``directory`` holds a DSpark drafter saved by another program: its ``config.json``
-    names a DSpark architecture or is a speculators DSpark config. ``read_deepspec_config`` reads
-    DeepSpec's own and refuses the others by name."""
+def read_config_json(directory) -> dict | None:
+    """``directory``'s ``config.json`` as a JSON object, or None where there is none."""
     try:
         raw = json.loads((Path(directory) / CONFIG_FILE).read_text())
     except (OSError, ValueError):
-        return False
-    if not isinstance(raw, dict):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def claims(directory) -> bool:
+    """Whether ``directory`` holds a DSpark drafter DeepSpec (or another program naming a DSpark
+    architecture) saved: ``read_config`` reads DeepSpec's own and refuses the others by name."""
+    raw = read_config_json(directory)
+    if raw is None or "speculators_model_type" in raw:  # speculators' (checkpoints.speculators)
         return False
     architectures = raw.get("architectures")
-    return raw.get("speculators_model_type") == "dspark" or (
-        isinstance(architectures, list) and any("DSpark" in str(a) for a in architectures))
+    return isinstance(architectures, list) and any("DSpark" in str(a) for a in architectures)
 
 
-def read_deepspec_config(directory) -> tuple[DrafterConfig, dict]:
+def read_config(directory) -> tuple[DrafterConfig, dict]:
     """The ``DrafterConfig`` of a DeepSpec checkpoint and its whole ``config.json``."""
     from dspark_jax.checkpoints.hf import config_from_hf
 
@@ -61,9 +69,9 @@ def read_deepspec_config(directory) -> tuple[DrafterConfig, dict]:
         return ValueError(f"{path}: {reason}")
 
     if raw.get("architectures") != [ARCHITECTURE]:
-        kind = ("a speculators DSpark export" if raw.get("speculators_model_type") == "dspark"
-                else f"a DSpark drafter of architecture {raw.get('architectures')}")
-        raise refuse(f"{kind}; this reads DeepSpec's {ARCHITECTURE} checkpoints (its Qwen3 drafters)")
+        raise refuse(f"a DSpark drafter of architecture {raw.get('architectures')}; this reads DeepSpec's "
+                     f"{ARCHITECTURE} checkpoints (its Qwen3 drafters) and speculators' (whose config.json has a "
+                     "speculators_model_type)")
     missing = [key for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
                                "enable_confidence_head") if key not in raw]
     if missing:
@@ -83,17 +91,28 @@ def read_deepspec_config(directory) -> tuple[DrafterConfig, dict]:
     except ValueError as error:
         raise refuse(str(error)) from None
     confidence = bool(raw["enable_confidence_head"])
-    with_markov = confidence and bool(raw.get("confidence_head_with_markov", False))
+    return drafter_config(backbone, taps=taps, mask_token_id=mask, block_size=gamma, markov_rank=rank,
+                          markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
+                          confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
+                          refuse=refuse), raw
+
+
+def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, markov_rank: int, markov_head_type,
+                   confidence_head: bool, confidence_with_markov: bool, refuse, draft_vocab_size=None) -> DrafterConfig:
+    """Our ``DrafterConfig`` for a DeepSpec-style DSpark drafter (DeepSpec's or speculators') whose
+    draft layers have ``backbone``'s shape; ``refuse(reason)`` makes the error naming the file. No
+    Markov head and no confidence head is a DFlash drafter, which both run as the same class."""
     fields = dict(
-        backbone=dataclasses.replace(backbone, qk_norm=True),  # DeepSpec's draft attention always has q/k norms
-        tap_layers=taps, mask_token_id=mask, block_size=gamma,
-        markov_head=str(raw.get("markov_head_type", "none")).lower() if rank > 0 else "none",
-        markov_rank=rank, markov_w1_rows="target", confidence_head=confidence, confidence_with_markov=with_markov,
+        backbone=dataclasses.replace(backbone, qk_norm=True),  # their draft attention always has q/k norms
+        tap_layers=taps, mask_token_id=mask_token_id, block_size=block_size,
+        markov_head=str(markov_head_type).lower() if markov_rank > 0 else "none",
+        markov_rank=markov_rank, markov_w1_rows="target", confidence_head=confidence_head,
+        confidence_with_markov=confidence_with_markov, draft_vocab_size=draft_vocab_size,
     )
-    if rank == 0 and not confidence:  # DFlash: DeepSpec runs it as the same class
+    if markov_rank == 0 and not confidence_head:
         fields |= dict(kind="dflash", ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
     try:
-        return DrafterConfig(**fields), raw
+        return DrafterConfig(**fields)
     except ValueError as error:
         raise refuse(f"holds no drafter dspark-jax can build: {error}") from None
 
@@ -131,33 +150,42 @@ def tensor_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
     return sources
 
 
-def read_deepspec_drafter(directory):
-    """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config and our drafter's tensors by
-    state path (float32); ``trained_for`` reads the record of its target. Every tensor the config
-    needs must be there, and nothing else: a missing or extra one is a ``ValueError`` naming it."""
+def read_sources(directory, cfg: DrafterConfig, sources: dict[str, tuple[str, ...]], *, ignored, described: str,
+                 integers=()) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
+    """``(cfg, tensors)``: our drafter's tensors by state path (float32), each the checkpoint's
+    ``sources`` fused, and the checkpoint's ``integers`` under their own names (int32);
+    ``ignored`` are tensors it may hold that the drafter does not use. Every tensor needed must be
+    there, and nothing else: a missing or extra one is a ``ValueError`` naming it and
+    ``described`` (what the config describes)."""
     from dspark_jax.checkpoints.hf import read_tensors, safetensors_files
 
-    directory = Path(directory)
-    cfg = read_deepspec_config(directory)[0]
-    files = safetensors_files(directory)
-    sources = tensor_sources(cfg)
-    if cfg.confidence_head and "confidence_head.proj.bias" not in files:  # checkpoints in the wild have none
+    files = safetensors_files(Path(directory))
+    sources = dict(sources)
+    if cfg.confidence_head and "confidence_head.proj.bias" not in files:  # DeepSpec's in the wild have none
         cfg = dataclasses.replace(cfg, confidence_bias=False)
         del sources["confidence.proj.bias"]
     wanted = {name for names in sources.values() for name in names}
-    missing = sorted(wanted - set(files))
-    unexpected = sorted(set(files) - wanted - set(FROZEN))
+    missing = sorted((wanted | set(integers)) - set(files))
+    unexpected = sorted(set(files) - wanted - set(integers) - set(ignored))
     if missing or unexpected:
-        raise ValueError(f"{directory}: the safetensors do not hold the {ARCHITECTURE} its {CONFIG_FILE} describes: "
+        raise ValueError(f"{directory}: the safetensors do not hold the {described} its {CONFIG_FILE} describes: "
                          f"missing {missing}, unexpected {unexpected}")
     read = read_tensors(files, wanted, np.float32)
     tensors = {ours: np.concatenate([read[name] for name in theirs], axis=0) for ours, theirs in sources.items()}
-    return cfg, tensors
+    return cfg, tensors | read_tensors(files, set(integers), np.int32)
 
 
-def trained_for(directory, num_target_layers: int) -> dict:
+def read_drafter(directory):
+    """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config and our drafter's tensors by
+    state path (float32); ``trained_for`` reads the record of its target."""
+    cfg = read_config(directory)[0]
+    return read_sources(directory, cfg, tensor_sources(cfg), ignored=FROZEN, described=ARCHITECTURE)
+
+
+def trained_for(directory, raw: dict) -> dict:
     """The record of a DeepSpec checkpoint's target (``checkpoints.drafter.identity``): its depth,
-    from the config, and a sketch of ``embed_tokens``, of which only the sampled rows are read."""
+    from its ``config.json`` (``raw``), and a sketch of ``embed_tokens``, of which only the
+    sampled rows are read."""
     from dspark_jax.checkpoints.drafter import identity, sketch_of_rows
     from dspark_jax.checkpoints.hf import open_safetensors, safetensors_files
 
@@ -169,18 +197,4 @@ def trained_for(directory, num_target_layers: int) -> dict:
         embedding = f.get_slice("embed_tokens.weight")
         vocab, width = embedding.get_shape()
         sketch = sketch_of_rows(lambda rows: np.concatenate([embedding[r:r + 1] for r in rows]), vocab, width)
-    return identity(num_target_layers, sketch)
-
-
-def convert_deepspec_drafter(directory, out, *, storage_dtype: str = "float32") -> Path:
-    """Write the DeepSpec checkpoint in ``directory`` to ``out`` as a dspark-jax drafter: its draft
-    layers and heads (without the copies of the target's embedding and LM head: a 4B target's
-    drafter loses most of its size), the record of its target, and its DeepSpec config in the
-    metadata. What it drafts is unchanged (bit for bit in float32)."""
-    from dspark_jax.checkpoints.drafter import load_drafter, save_drafter
-
-    directory = Path(directory)
-    raw = read_deepspec_config(directory)[1]
-    metadata = {"converted_from": str(directory.resolve()), "deepspec_config": raw}
-    return save_drafter(load_drafter(directory), out, storage_dtype=storage_dtype, metadata=metadata,
-                        target=trained_for(directory, raw["num_target_layers"]))
+    return identity(raw["num_target_layers"], sketch)

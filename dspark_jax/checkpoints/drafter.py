@@ -37,13 +37,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from dspark_jax.checkpoints import save_safetensors
-from dspark_jax.checkpoints.deepspec import (
-    is_deepspec_checkpoint,
-    read_deepspec_config,
-    read_deepspec_drafter,
-)
-from dspark_jax.checkpoints.deepspec import trained_for as deepspec_target
+from dspark_jax.checkpoints import deepspec, save_safetensors, speculators
 from dspark_jax.config import DrafterConfig, partial_path
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
@@ -60,6 +54,8 @@ SKETCH_ROWS, SKETCH_COLUMNS = 64, 8  # the embedding entries a sketch samples, e
 # Least correlation of a target's sketch with the recorded one: SmolLM2's embedding gives 0.986 at
 # Q4_0, 1.000 at Q8_0 and in bfloat16; a random one of its shape 0.00, its rows shifted by one 0.23.
 SAME_TARGET_CORRELATION = 0.5
+# Readers of drafters other programs saved: DeepSpec's (the official DSpark drafters) and speculators'.
+OTHER_FORMATS = (deepspec, speculators)
 
 
 def build_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32, draft_vocab_ids=None):
@@ -278,12 +274,19 @@ def _read_config(directory) -> tuple[DrafterConfig, dict]:
     return cfg, raw
 
 
+def other_format(directory):
+    """The reader (``checkpoints.deepspec`` or ``checkpoints.speculators``) of the drafter another
+    program saved in ``directory``, or None for a dspark-jax drafter (or no drafter)."""
+    return next((reader for reader in OTHER_FORMATS if reader.claims(directory)), None)
+
+
 def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
-    """The drafter config and the free-form metadata of a checkpoint directory (for a DeepSpec
-    checkpoint, ``{"deepspec": its config.json}``)."""
-    if is_deepspec_checkpoint(directory):
-        cfg, raw = read_deepspec_config(directory)
-        return cfg, {"deepspec": raw}
+    """The drafter config and the free-form metadata of a checkpoint directory (for one another
+    program saved, ``{"deepspec" or "speculators": its config.json}``)."""
+    reader = other_format(directory)
+    if reader is not None:
+        cfg, raw = reader.read_config(directory)
+        return cfg, {reader.NAME: raw}
     cfg, raw = _read_config(directory)
     return cfg, raw.get("metadata", {})
 
@@ -316,13 +319,14 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
     unexpected, of the wrong shape or kind (integer weights, a float ``d2t``), non-finite weights,
     and a ``config.json`` and ``model.safetensors`` from different saves.
 
-    A checkpoint DeepSpec saved (``checkpoints.deepspec``: the official DSpark drafters) loads
-    too, refused for a target whose embedding is not the one it was saved with.
+    A drafter DeepSpec or speculators saved (``checkpoints.deepspec``: the official DSpark
+    drafters; ``checkpoints.speculators``) loads too; a DeepSpec one is refused for a target whose
+    embedding is not the one it was saved with.
     """
     directory = Path(directory)
-    deepspec = is_deepspec_checkpoint(directory)
-    if deepspec:
-        cfg, deepspec_config = read_deepspec_config(directory)
+    reader = other_format(directory)
+    if reader is not None:
+        cfg, their_config = reader.read_config(directory)
         raw, weights = {}, directory
     else:
         cfg, raw = _read_config(directory)
@@ -334,11 +338,11 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
         except ValueError as error:  # say which checkpoint: a run may load several
             raise ValueError(f"{directory / CONFIG_FILE}: {error} (a drafter is trained for one target: train or "
                              "pick one for this target)") from None
-        recorded = deepspec_target(directory, deepspec_config["num_target_layers"]) if deepspec else raw.get(TARGET)
+        recorded = reader.trained_for(directory, their_config) if reader is not None else raw.get(TARGET)
         if recorded is not None:
-            _check_trained_target(directory, recorded, target, in_config=not deepspec)
-    if deepspec:
-        cfg, tensors = read_deepspec_drafter(directory)  # under our names already
+            _check_trained_target(directory, recorded, target, in_config=reader is None)
+    if reader is not None:
+        cfg, tensors = reader.read_drafter(directory)  # under our names already
         weights_id = None
     else:
         tensors, weights_id = _read_weights(directory)
@@ -392,3 +396,21 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
         return jnp.asarray(value, dtype=leaf.dtype)
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, abstract_state))
+
+
+def convert_drafter(directory, out, *, storage_dtype: str = "float32") -> Path:
+    """Write the drafter DeepSpec or speculators saved in ``directory`` to ``out`` as a dspark-jax
+    drafter: its draft layers and heads (without a DeepSpec checkpoint's copies of the target's
+    embedding and LM head: a 4B target's drafter loses most of its size), the record of its target
+    where it has one, and its own config in the metadata. What it drafts is unchanged (bit for bit
+    in float32)."""
+    directory = Path(directory)
+    reader = other_format(directory)
+    if reader is None:
+        _checkpoint_dir(directory)  # a missing directory or config is named as such
+        raise ValueError(f"{directory} holds no drafter DeepSpec or speculators saved (a Qwen3DSparkModel or "
+                         "speculators DSpark config.json)")
+    raw = reader.read_config(directory)[1]
+    metadata = {"converted_from": str(directory.resolve()), f"{reader.NAME}_config": raw}
+    return save_drafter(load_drafter(directory), out, storage_dtype=storage_dtype, metadata=metadata,
+                        target=reader.trained_for(directory, raw))

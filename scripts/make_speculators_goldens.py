@@ -1,0 +1,145 @@
+"""Produce the speculators reference goldens that ``tests/test_speculators.py`` checks in CI.
+
+speculators (``vllm-project/speculators``: vLLM's drafter training library, whose checkpoints vLLM
+serves) trains DSpark drafters as ``DSparkDraftModel``. This script needs it and its torch and
+transformers, best in a venv of their own (speculators pins transformers 5)::
+
+    python -m venv /tmp/specvenv
+    /tmp/specvenv/bin/pip install torch==2.13.0 "transformers>=5,<=5.19" pydantic pydantic-settings loguru \\
+        safetensors numpy rich typer click tqdm openai datasets hs-connectors
+    /tmp/specvenv/bin/pip install --no-deps speculators==0.9.0
+    /tmp/specvenv/bin/python scripts/make_speculators_goldens.py
+
+CI needs none of them: it reads what this script wrote.
+
+For each variant (a gated Markov head over a reduced draft vocabulary, with a confidence head on
+its features; an RNN head with a confidence head on the hidden state alone; a vanilla head with
+no confidence head), ``DSparkSpeculatorConfig`` describes a drafter of a tiny Qwen3 target,
+``DSparkDraftModel`` is built on it with seeded random weights (norms included) and saved with
+``save_pretrained`` (``tests/fixtures/tiny_speculators/<variant>/``: the real format, without the
+target's embedding, as speculators saves it, and without the copy of speculators' config
+source it writes beside). Then its training forward runs on random tapped
+features and tokens, and ``tests/goldens/tiny_speculators.npz`` keeps the inputs and what it
+computed for each anchored block: the hidden states, and the Markov-corrected and confidence
+logits speculators' loss receives (captured from its own ``forward``), with the target's
+embedding the drafter was built with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "tiny_speculators"
+GOLDEN = REPO / "tests" / "goldens" / "tiny_speculators.npz"
+TARGET = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+              tie_word_embeddings=True)
+TARGET_LAYERS = 4
+DRAFT_LAYERS = 2
+# speculators numbers the target's hidden states as transformers does: 0 is the embedding output,
+# i the output of decoder layer i - 1.
+AUX_LAYER_IDS = [1, 3]
+COMMON = dict(block_size=4, mask_token_id=3, aux_hidden_state_layer_ids=AUX_LAYER_IDS, sample_from_anchor=True)
+VARIANTS = {
+    "gated": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
+                  confidence_head_with_markov=True, draft_vocab_size=61),
+    "rnn": dict(markov_rank=8, markov_head_type="rnn", enable_confidence_head=True,
+                confidence_head_with_markov=False, draft_vocab_size=97),
+    "vanilla": dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=False,
+                    confidence_head_with_markov=False, draft_vocab_size=97),
+}
+SEQUENCE = 24
+ANCHORS = 3
+
+
+def make(name: str, seed: int) -> dict[str, np.ndarray]:
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dspark import core
+    from speculators.models.dspark.config import DSparkSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    variant = VARIANTS[name]
+    layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS)
+    layer_config._attn_implementation = "eager"
+    verifier = VerifierConfig(name_or_path="tiny-qwen3", architectures=["Qwen3ForCausalLM"])
+    config = DSparkSpeculatorConfig(
+        transformer_layer_config=layer_config, **COMMON, **variant,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dspark", default_proposal_method="greedy", verifier=verifier,
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=COMMON["block_size"])]))
+    torch.manual_seed(seed)
+    model = core.DSparkDraftModel(config).eval()
+    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
+    embedding = 0.2 * torch.randn(vocab, width)
+    draft_ids = torch.arange(vocab)
+    if model.use_draft_vocab:  # speculators' convention: t2d a mask, d2t offsets (target id - draft index)
+        draft_ids = torch.sort(torch.randperm(vocab)[:variant["draft_vocab_size"]]).values
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[draft_ids] = True
+        model.load_vocab_mappings(t2d, draft_ids - torch.arange(len(draft_ids)))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():  # norms too, so that a skipped one shows
+            spread = 0.2 if param.ndim > 1 else 0.5
+            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
+        model.embed_tokens.weight.copy_(embedding)
+        model.lm_head.weight.copy_(embedding[draft_ids])  # the target's tied head, its draft rows
+        model.verifier_lm_head.weight.copy_(embedding[draft_ids])
+    out = FIXTURES / name
+    model.save_pretrained(out, safe_serialization=True)
+    # save_pretrained also copies speculators' config source beside it (``auto_map``, for
+    # transformers' remote code); it is their code, not the format, and nothing here reads it.
+    (out / "config.py").unlink()
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    features = torch.randn(1, SEQUENCE, len(AUX_LAYER_IDS) * width, generator=generator)
+    input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
+    loss_mask = torch.ones(1, SEQUENCE, dtype=torch.long)
+    loss_mask[:, :6] = 0  # the prompt: no anchors there
+    captured = {}
+    backbone_forward = model._backbone_forward
+
+    def keep_backbone(*args, **kwargs):
+        captured["backbone"] = result = backbone_forward(*args, **kwargs)
+        return result
+
+    def keep_metrics(logits, targets, confidence_logits, *args, **kwargs):
+        captured["logits"], captured["confidence"] = logits, confidence_logits
+        return torch.zeros(()), {}
+
+    model._backbone_forward = keep_backbone
+    core.compute_metrics = keep_metrics
+    torch.manual_seed(seed + 2)  # the anchors speculators samples
+    with torch.no_grad():
+        model(hidden_states=features, input_ids=input_ids, loss_mask=loss_mask,
+              verifier_last_hidden_states=torch.randn(1, SEQUENCE, width, generator=generator),
+              document_ids=torch.zeros(1, SEQUENCE, dtype=torch.long), max_anchors=ANCHORS)
+    hidden, _, _, _, block_indices = captured["backbone"]
+    gamma = COMMON["block_size"]
+    result = {"features": features[0], "input_ids": input_ids[0], "anchors": block_indices[::gamma],
+              "embedding": embedding, "draft_ids": draft_ids, "hidden": hidden[0].view(ANCHORS, gamma, width),
+              "corrected_logits": captured["logits"][0].view(ANCHORS, gamma, -1)}
+    if captured["confidence"] is not None:
+        result["confidence_logits"] = captured["confidence"][0].view(ANCHORS, gamma)
+    return {f"{name}/{key}": value.numpy() for key, value in result.items()}
+
+
+def main() -> int:
+    os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny verifier is nowhere to download
+    arrays = {}
+    for seed, name in enumerate(VARIANTS):
+        arrays |= make(name, seed)
+    np.savez_compressed(GOLDEN, **arrays)
+    print(json.dumps({name: sorted(p.name for p in (FIXTURES / name).iterdir()) for name in VARIANTS}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

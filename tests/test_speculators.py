@@ -1,0 +1,152 @@
+"""DSpark drafters speculators trained (its ``DSparkDraftModel`` checkpoints) load and draft as speculators computes.
+
+``tests/fixtures/tiny_speculators/<variant>/`` were saved by speculators' own model class and
+``tests/goldens/tiny_speculators.npz`` holds what its training forward computed on them
+(``scripts/make_speculators_goldens.py``, run with speculators 0.9.0, torch and transformers; CI
+needs none of them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from dspark_jax.checkpoints.drafter import drafter_tensors, load_drafter, read_drafter_config
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
+from dspark_jax.models.target import TargetModel
+from tests.test_deepspec import SHAPE
+from tests.tiny import tiny_target
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tiny_speculators"
+GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_speculators.npz")
+
+
+def its_target(name: str = "gated", **overrides) -> TargetModel:
+    """The tiny Qwen3 target the drafter was built for: the embedding (tied head) it was given."""
+    module = tiny_target(seed=0, **{**SHAPE, **overrides}).module()
+    module.embed[...] = jnp.asarray(GOLDEN[f"{name}/embedding"])
+    return TargetModel.from_module(module)
+
+
+@pytest.mark.parametrize("name", ["gated", "rnn", "vanilla"])
+def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
+    """Each anchored block's hidden states, Markov-corrected logits (over the reduced draft
+    vocabulary for ``gated``) and confidence logits, against speculators' own forward on the same
+    tapped features and tokens: its layer ids 1 and 3 are our taps 0 and 2."""
+    drafter = load_drafter(FIXTURES / name)
+    cfg = drafter.cfg
+    assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size) == {
+        "gated": ("gated", True, True, 61), "rnn": ("rnn", True, False, None),
+        "vanilla": ("vanilla", False, False, None)}[name]
+    assert cfg.tap_layers == (0, 2) and cfg.block_size == 4 and cfg.mask_token_id == 3 and cfg.kind == "dspark"
+    if name == "gated":
+        np.testing.assert_array_equal(drafter.d2t_N, GOLDEN["gated/draft_ids"])
+    embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
+    features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
+    anchors = GOLDEN[f"{name}/anchors"]
+    gamma = cfg.block_size
+    # One request per anchor: the context holds the features before it, as speculators' mask lets
+    # an anchored block see the sequence before its anchor.
+    batch = len(anchors)
+    context = drafter.extend_context(embed, drafter.new_context(batch, len(ids) + gamma),
+                                     jnp.broadcast_to(jnp.asarray(features), (batch, *features.shape)), None,
+                                     jnp.asarray(anchors))
+    hidden = drafter.backbone.forward_block(embed, context, jnp.asarray(ids[anchors]))
+    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"], atol=2e-5)
+    blocks = jnp.asarray(np.stack([ids[p:p + gamma] for p in anchors]))  # slot k's previous token: p + k
+    corrected, confidence = drafter.teacher_forced(hidden, embed, blocks)
+    np.testing.assert_allclose(corrected, GOLDEN[f"{name}/corrected_logits"], atol=5e-5)
+    if name == "vanilla":
+        assert confidence is None
+    else:
+        np.testing.assert_allclose(confidence, GOLDEN[f"{name}/confidence_logits"], atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["gated", "rnn"])
+def test_a_speculators_drafter_decodes_its_target_losslessly(name):
+    target = its_target(name)
+    drafter = load_drafter(FIXTURES / name, target=target)
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
+    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size)).generate(
+        prompts, max_new_tokens=12)
+    assert got.tokens == want.tokens
+
+
+def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_path):
+    def damaged(edit_config=None, drop=None, add=None) -> Path:
+        directory = shutil.copytree(FIXTURES / "gated", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+        config = json.loads((directory / "config.json").read_text())
+        for key, value in (edit_config or {}).items():
+            if key == "layers":
+                config["transformer_layer_config"] |= value
+            elif value is None:
+                del config[key]
+            else:
+                config[key] = value
+        (directory / "config.json").write_text(json.dumps(config))
+        if drop or add:
+            tensors = load_file(str(directory / "model.safetensors"))
+            tensors.pop(drop, None)
+            tensors |= add or {}
+            save_file(tensors, str(directory / "model.safetensors"))
+        return directory
+
+    refusals = [
+        (dict(speculators_model_type="eagle3"), "a speculators eagle3 drafter; this reads speculators' DSpark"),
+        (dict(sample_from_anchor=False), "sample_from_anchor is false: block slot 0 is the last accepted token"),
+        (dict(aux_hidden_state_layer_ids=[0, 3]), r"aux_hidden_state_layer_ids has 0 \(the target's embedding output\)"),
+        (dict(aux_hidden_state_layer_ids=[1, 4]), "tap layer 3 is the target's final layer"),
+        (dict(layers=dict(layer_types=["sliding_attention", "full_attention"])), "sliding-window draft layers"),
+        (dict(layers=dict(attention_bias=True)), "transformer_layer_config: .*attention_bias=true"),
+        (dict(target_hidden_size=128), "target_hidden_size 128 differs from the draft layers' 64"),
+        (dict(mask_token_id=None), "config without mask_token_id: the checkpoint is damaged"),
+        (dict(block_size="four"), "block_size.*the checkpoint is damaged"),
+    ]
+    for edit, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            load_drafter(damaged(edit), target=its_target())
+    tensors = [
+        (dict(drop="d2t"), r"missing \['d2t'\]"),
+        (dict(drop="lm_head.weight"), r"missing \['lm_head.weight'\]"),
+        (dict(drop="markov_head.gate_proj.bias"), r"missing \['markov_head.gate_proj.bias'\]"),
+        (dict(add={"extra.weight": np.zeros(3, np.float32)}), r"unexpected \['extra.weight'\]"),
+        (dict(add={"d2t": -np.arange(61)}), "draft_vocab_ids must be distinct"),  # every draft token: id 0
+    ]
+    for change, message in tensors:
+        with pytest.raises(ValueError, match=message):
+            load_drafter(damaged(**change), target=its_target())
+    with pytest.raises(ValueError, match="hidden_size: drafter 64, target 32"):
+        load_drafter(FIXTURES / "gated", target=tiny_target(**{**SHAPE, "hidden_size": 32, "head_dim": 8}))
+    # The verifier's own weights, which speculators may leave in a checkpoint, are not the drafter's.
+    verifier = damaged(add={"verifier_norm.weight": np.ones(64, np.float32)})
+    assert load_drafter(verifier, target=its_target()).cfg.draft_vocab_size == 61
+
+
+def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, capsys):
+    """The same tensors (the reduced head's ids too), bit for bit; its speculators config comes
+    along; no record of its target (speculators saves none)."""
+    from dspark_jax import cli
+
+    out = tmp_path / "converted"
+    assert cli.main(["convert", "--drafter", str(FIXTURES / "gated"), "--out", str(out)]) == 0
+    assert f"--drafter {out}" in capsys.readouterr().out
+    converted = drafter_tensors(load_drafter(out, target=its_target()))
+    original = drafter_tensors(load_drafter(FIXTURES / "gated"))
+    assert converted.keys() == original.keys() and "draft_head.d2t" in converted
+    for name, value in original.items():
+        np.testing.assert_array_equal(converted[name], value, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["metadata"]["speculators_config"]["speculators_model_type"] == "dspark"
+    assert "target" not in config
+    assert read_drafter_config(FIXTURES / "gated")[1]["speculators"]["draft_vocab_size"] == 61
+    with pytest.raises(SystemExit, match=r"--drafter .*: .*holds no drafter DeepSpec or speculators saved"):
+        cli.main(["convert", "--drafter", str(out), "--out", str(tmp_path / "again")])
+    assert not (tmp_path / "again").exists()
