@@ -215,6 +215,7 @@ def main(argv=None) -> int:
 
     from dspark_jax.checkpoints.drafter import load_drafter
     from dspark_jax.eval.compare import json_clean
+    from dspark_jax.eval.replay import jit_with_drafter
     from dspark_jax.training.losses import greedy_chains
     from dspark_jax.training.train import (
         batch_completer,
@@ -272,23 +273,20 @@ def main(argv=None) -> int:
                 continue
             drafter = load_drafter(directory, target=target)
             # One compiled scorer per drafter and kind of batch (with features, or token ids).
-            scorer = jax.jit(lambda batch, target_params, drafter=drafter, leg=leg: objective(
-                drafter, leg, complete(target_params, batch), embed, head)[1])
+            scorer = jit_with_drafter(lambda drafter, target_params, embed, head, batch, leg=leg: objective(
+                drafter, leg, complete(target_params, batch), embed, head)[1], drafter, target.params, embed, head)
 
-            def score(batch, scorer=scorer):
-                return scorer(batch, target.params)
-
-            results[name] = {"drafter": str(directory), "heldout": mean_metrics(score, leg, heldout),
-                             "heldout_domains": domain_metrics(score, leg, heldout)}
+            results[name] = {"drafter": str(directory), "heldout": mean_metrics(scorer, leg, heldout),
+                             "heldout_domains": domain_metrics(scorer, leg, heldout)}
             if training is not None:
-                results[name]["train"] = mean_metrics(score, leg, training)
+                results[name]["train"] = mean_metrics(scorer, leg, training)
             r = results[name]
             by_domain = " ".join(f"{d} {m['tau']:.3f}" for d, m in r["heldout_domains"].items())
             line = f"{name:28s} τ held-out {r['heldout']['tau']:.3f} ({by_domain}) greedy {r['heldout']['tau_greedy']:.3f}"
             if training is not None:
                 line += f"  train {r['train']['tau']:.3f}  gap {r['train']['tau'] - r['heldout']['tau']:.3f}"
             if args.replay is not None:
-                chains = jax.jit(lambda batch, drafter=drafter: greedy_chains(drafter, embed, head, batch))
+                chains = jit_with_drafter(greedy_chains, drafter, embed, head)
                 r["replay"], replayed[name] = replay_by_domain(
                     chains, heldout, gamma=drafter.cfg.block_size, max_new_tokens=args.replay,
                     stop_ids=tokenizer.stop_ids)

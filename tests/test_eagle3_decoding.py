@@ -20,6 +20,7 @@ from dspark_jax.decoding.speculative import (
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
+from dspark_jax.eval.replay import jit_with_drafter
 from tests.test_speculative import chi2, exact_first_two, sampled_first_two
 from tests.tiny import sharp_tiny_target
 
@@ -117,8 +118,9 @@ def test_proposals_equal_the_ttt_pass_on_the_committed_sequence(setup):
     for i, (row, a, drafted, _) in enumerate(cases):
         tokens[i, : a + GAMMA] = np.concatenate([seqs[row][: a + 1], drafted[: GAMMA - 1]])
         feats[i, :a] = taps[row, :a]
-    ttt = jax.jit(lambda embed, head, f, t: drafter.logits(drafter.forward_train(embed, f, t), head))
-    logits = np.asarray(ttt(*target.embedding_and_head(target.params), feats, tokens))  # [γ, N, S, V]
+    ttt = jit_with_drafter(lambda d, embed, head, f, t: d.logits(d.forward_train(embed, f, t), head), drafter,
+                           *target.embedding_and_head(target.params))
+    logits = np.asarray(ttt(feats, tokens))  # [γ, N, S, V]
     for i, (row, a, _, proposed) in enumerate(cases):
         np.testing.assert_allclose(proposed, logits[:, i, a - 1], rtol=1e-4, atol=1e-5, err_msg=f"row {row} a={a}")
         # The test's power: the pairing shifted by one position predicts something else.

@@ -9,7 +9,7 @@ from dspark_jax.checkpoints.drafter import load_drafter
 from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.drafters import shipped_drafter_path
 from dspark_jax.eval.metrics import per_position_acceptance
-from dspark_jax.eval.replay import replay_rounds, replay_sequences, replay_summary
+from dspark_jax.eval.replay import jit_with_drafter, replay_rounds, replay_sequences, replay_summary
 from dspark_jax.training.losses import greedy_chains
 from dspark_jax.training.target_cache import CachedSequence
 from tests.prompts import QUESTIONS
@@ -73,7 +73,7 @@ def test_replay_equals_greedy_decoding_with_the_shipped_drafters(embedded_target
         [prompt], max_new_tokens=NEW + gamma + 1, max_len=192)
     sequence = cached_answer(target, drafter.cfg.tap_layers, prompt, decoded.tokens[0])
     embed, head = target.embedding_and_head(target.params)
-    chains = jax.jit(lambda batch: greedy_chains(drafter, embed, head, batch))
+    chains = jit_with_drafter(greedy_chains, drafter, embed, head)
     replayed = replay_sequences(chains, [sequence], max_new_tokens=NEW, stop_ids=())[sequence.name]
     accepted = np.concatenate(decoded.accepted_per_round)[: replayed.accepted.size]
     np.testing.assert_array_equal(replayed.accepted, accepted)
