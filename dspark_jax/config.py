@@ -274,6 +274,10 @@ class DrafterConfig:
     mask_token_id: int
     kind: str = "dspark"
     block_size: int = 7  # γ: draft tokens proposed per round
+    # Which block slot drafts the token after the anchor: the anchor's own (True: DeepSpec's and
+    # DSpark's), or the next (False: a slot before the γ drafting ones drafts nothing, z-lab
+    # DFlash's convention, speculators' ``sample_from_anchor`` false).
+    draft_from_anchor: bool = True
     markov_head: str = "vanilla"
     markov_rank: int = 256
     # Rows of the Markov W1 table: "target" (one per target token, as DeepSpec) or "draft" (one per
@@ -302,7 +306,7 @@ class DrafterConfig:
         for name in ("sliding_window", "draft_vocab_size"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_int(getattr(self, name), name, "an int or None"))
-        for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half"):
+        for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half", "draft_from_anchor"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("ce_weight", "tv_weight", "confidence_weight", "position_decay", "ttt_step_decay"):
@@ -333,6 +337,9 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if not self.draft_from_anchor and self.kind == "eagle3":
+            raise ValueError("draft_from_anchor=False lays out a block drafter's block (dspark, dflash); the "
+                             "EAGLE-3 drafter drafts step by step")
         if self.sliding_window is not None and self.kind == "eagle3":
             raise ValueError("sliding_window limits a block drafter's context (dspark, dflash); the EAGLE-3 "
                              "drafter attends over its whole sequence")
@@ -353,6 +360,11 @@ class DrafterConfig:
     @property
     def vocab_size(self) -> int:
         return self.backbone.vocab_size
+
+    @property
+    def block_slots(self) -> int:
+        """Slots of a draft block: γ, and one more when the anchor's slot drafts nothing."""
+        return self.block_size + (0 if self.draft_from_anchor else 1)
 
     @property
     def context_size(self) -> int:

@@ -14,8 +14,9 @@ CI needs none of them: it reads what this script wrote.
 
 For each variant (a gated Markov head over a reduced draft vocabulary, with a confidence head on
 its features; an RNN head with a confidence head on the hidden state alone; a vanilla head with
-no confidence head), ``DSparkSpeculatorConfig`` describes a drafter of a tiny Qwen3 target,
-``DSparkDraftModel`` is built on it with seeded random weights (norms included) and saved with
+no confidence head; a gated head whose block's slot 0 drafts nothing, and a DFlash drafter so,
+over a reduced vocabulary: z-lab DFlash's convention), speculators' config class describes a
+drafter of a tiny Qwen3 target, its ``DSparkDraftModel`` or ``DFlashDraftModel`` is built on it with seeded random weights (norms included) and saved with
 ``save_pretrained`` (``tests/fixtures/tiny_speculators/<variant>/``: the real format, without the
 target's embedding, as speculators saves it, and without the copy of speculators' config
 source it writes beside). Then its training forward runs on random tapped
@@ -45,7 +46,7 @@ DRAFT_LAYERS = 2
 # speculators numbers the target's hidden states as transformers does: 0 is the embedding output,
 # i the output of decoder layer i - 1.
 AUX_LAYER_IDS = [1, 3]
-COMMON = dict(block_size=4, mask_token_id=3, aux_hidden_state_layer_ids=AUX_LAYER_IDS, sample_from_anchor=True)
+COMMON = dict(block_size=4, mask_token_id=3, aux_hidden_state_layer_ids=AUX_LAYER_IDS)
 VARIANTS = {
     "gated": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
                   confidence_head_with_markov=True, draft_vocab_size=61),
@@ -53,6 +54,10 @@ VARIANTS = {
                 confidence_head_with_markov=False, draft_vocab_size=97),
     "vanilla": dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=False,
                     confidence_head_with_markov=False, draft_vocab_size=97),
+    # Slot 0 drafts nothing (z-lab DFlash's convention): a DSpark drafter so, and a DFlash one.
+    "gated_after_anchor": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
+                               confidence_head_with_markov=True, draft_vocab_size=97, sample_from_anchor=False),
+    "dflash": dict(draft_vocab_size=61, sample_from_anchor=False),
 }
 SEQUENCE = 24
 ANCHORS = 3
@@ -61,22 +66,27 @@ ANCHORS = 3
 def make(name: str, seed: int) -> dict[str, np.ndarray]:
     import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dspark import core
+    from speculators.models.dflash import core as dflash
+    from speculators.models.dflash.config import DFlashSpeculatorConfig
+    from speculators.models.dspark import core as dspark
     from speculators.models.dspark.config import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
     variant = VARIANTS[name]
+    algorithm, core, config_class = (("dflash", dflash, DFlashSpeculatorConfig) if name == "dflash" else
+                                     ("dspark", dspark, DSparkSpeculatorConfig))
     layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS)
     layer_config._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path="tiny-qwen3", architectures=["Qwen3ForCausalLM"])
-    config = DSparkSpeculatorConfig(
+    drafts = COMMON["block_size"] - (0 if variant.get("sample_from_anchor", True) else 1)
+    config = config_class(
         transformer_layer_config=layer_config, **COMMON, **variant,
         speculators_config=SpeculatorsConfig(
-            algorithm="dspark", default_proposal_method="greedy", verifier=verifier,
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=COMMON["block_size"])]))
+            algorithm=algorithm, default_proposal_method="greedy", verifier=verifier,
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafts)]))
     torch.manual_seed(seed)
-    model = core.DSparkDraftModel(config).eval()
+    model = core.DFlashDraftModel(config).eval() if name == "dflash" else core.DSparkDraftModel(config).eval()
     vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
     embedding = 0.2 * torch.randn(vocab, width)
     draft_ids = torch.arange(vocab)
@@ -110,8 +120,9 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
         captured["backbone"] = result = backbone_forward(*args, **kwargs)
         return result
 
-    def keep_metrics(logits, targets, confidence_logits, *args, **kwargs):
-        captured["logits"], captured["confidence"] = logits, confidence_logits
+    def keep_metrics(logits, targets, *args, **kwargs):  # DSpark's: (..., confidence_logits, ...)
+        captured["logits"] = logits
+        captured["confidence"] = args[0] if core is dspark else None
         return torch.zeros(()), {}
 
     model._backbone_forward = keep_backbone
@@ -122,12 +133,13 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
               verifier_last_hidden_states=torch.randn(1, SEQUENCE, width, generator=generator),
               document_ids=torch.zeros(1, SEQUENCE, dtype=torch.long), max_anchors=ANCHORS)
     hidden, _, _, _, block_indices = captured["backbone"]
-    gamma = COMMON["block_size"]
-    result = {"features": features[0], "input_ids": input_ids[0], "anchors": block_indices[::gamma],
-              "embedding": embedding, "draft_ids": draft_ids, "hidden": hidden[0].view(ANCHORS, gamma, width),
-              "corrected_logits": captured["logits"][0].view(ANCHORS, gamma, -1)}
+    slots = COMMON["block_size"]
+    # Every slot; where slot 0 drafts nothing, its outputs are kept too (speculators' loss masks them).
+    result = {"features": features[0], "input_ids": input_ids[0], "anchors": block_indices[::slots],
+              "embedding": embedding, "draft_ids": draft_ids, "hidden": hidden[0].view(ANCHORS, slots, width),
+              "corrected_logits": captured["logits"][0].view(ANCHORS, slots, -1)}
     if captured["confidence"] is not None:
-        result["confidence_logits"] = captured["confidence"][0].view(ANCHORS, gamma)
+        result["confidence_logits"] = captured["confidence"][0].view(ANCHORS, slots)
     return {f"{name}/{key}": value.numpy() for key, value in result.items()}
 
 

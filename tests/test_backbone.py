@@ -112,10 +112,11 @@ def test_sliding_window_limits_the_context():
     assert np.abs(inside - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_inference_path_equals_training_path(window):
-    """extend_context + forward_block (the decode path) == forward_train for the same block."""
-    cfg, backbone, embed = make(seed=2, sliding_window=window)
+@pytest.mark.parametrize("window, from_anchor", [(None, True), (3, True), (None, False)])
+def test_inference_path_equals_training_path(window, from_anchor):
+    """extend_context + forward_block (the decode path) == forward_train for the same block, γ
+    drafting slots either way (without ``draft_from_anchor`` the block has one more)."""
+    cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor)
     feats = features(cfg, batch=2)
     anchors = jnp.asarray([[7], [4]], jnp.int32)
     tokens = jnp.asarray([[10], [20]], jnp.int32)
@@ -127,6 +128,7 @@ def test_inference_path_equals_training_path(window):
     cache = backbone.extend_context(cache, rest, jnp.asarray([4, 2]))
     np.testing.assert_array_equal(cache.lengths_B, [7, 4])
     h = backbone.forward_block(embed, cache, tokens[:, 0])
+    assert h.shape == (2, GAMMA, cfg.hidden_size) and cfg.block_slots == GAMMA + (not from_anchor)
     np.testing.assert_allclose(h, trained[:, 0], atol=2e-5, rtol=1e-5)
 
 

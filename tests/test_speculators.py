@@ -1,4 +1,4 @@
-"""DSpark drafters speculators trained (its ``DSparkDraftModel`` checkpoints) load and draft as speculators computes.
+"""Drafters speculators trained (its ``DSparkDraftModel`` and ``DFlashDraftModel`` checkpoints) draft as it computes.
 
 ``tests/fixtures/tiny_speculators/<variant>/`` were saved by speculators' own model class and
 ``tests/goldens/tiny_speculators.npz`` holds what its training forward computed on them
@@ -35,23 +35,32 @@ def its_target(name: str = "gated", **overrides) -> TargetModel:
     return TargetModel.from_module(module)
 
 
-@pytest.mark.parametrize("name", ["gated", "rnn", "vanilla"])
+# (markov_head, confidence_head, confidence_with_markov, draft_vocab_size, draft_from_anchor, kind)
+EXPECTED = {"gated": ("gated", True, True, 61, True, "dspark"), "rnn": ("rnn", True, False, None, True, "dspark"),
+            "vanilla": ("vanilla", False, False, None, True, "dspark"),
+            "gated_after_anchor": ("gated", True, True, None, False, "dspark"),
+            "dflash": ("none", False, False, 61, False, "dflash")}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
 def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
-    """Each anchored block's hidden states, Markov-corrected logits (over the reduced draft
-    vocabulary for ``gated``) and confidence logits, against speculators' own forward on the same
-    tapped features and tokens: its layer ids 1 and 3 are our taps 0 and 2."""
+    """Each anchored block's hidden states, Markov-corrected logits (over a reduced draft
+    vocabulary for ``gated`` and ``dflash``) and confidence logits, against speculators' own
+    forward on the same tapped features and tokens: its layer ids 1 and 3 are our taps 0 and 2.
+    Where its block's slot 0 drafts nothing (``sample_from_anchor`` false), 4 slots draft 3 tokens,
+    which are slots 1-3 of speculators' outputs."""
     drafter = load_drafter(FIXTURES / name)
     cfg = drafter.cfg
-    assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size) == {
-        "gated": ("gated", True, True, 61), "rnn": ("rnn", True, False, None),
-        "vanilla": ("vanilla", False, False, None)}[name]
-    assert cfg.tap_layers == (0, 2) and cfg.block_size == 4 and cfg.mask_token_id == 3 and cfg.kind == "dspark"
-    if name == "gated":
-        np.testing.assert_array_equal(drafter.d2t_N, GOLDEN["gated/draft_ids"])
+    assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size,
+            cfg.draft_from_anchor, cfg.kind) == EXPECTED[name]
+    assert cfg.tap_layers == (0, 2) and cfg.block_slots == 4 and cfg.mask_token_id == 3
+    if cfg.draft_vocab_size is not None:
+        np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
     embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
     features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
     anchors = GOLDEN[f"{name}/anchors"]
     gamma = cfg.block_size
+    drafting = slice(cfg.block_slots - gamma, None)  # the slots that draft, in speculators' outputs
     # One request per anchor: the context holds the features before it, as speculators' mask lets
     # an anchored block see the sequence before its anchor.
     batch = len(anchors)
@@ -59,17 +68,17 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
                                      jnp.broadcast_to(jnp.asarray(features), (batch, *features.shape)), None,
                                      jnp.asarray(anchors))
     hidden = drafter.backbone.forward_block(embed, context, jnp.asarray(ids[anchors]))
-    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"], atol=2e-5)
-    blocks = jnp.asarray(np.stack([ids[p:p + gamma] for p in anchors]))  # slot k's previous token: p + k
+    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"][:, drafting], atol=2e-5)
+    blocks = jnp.asarray(np.stack([ids[p:p + gamma] for p in anchors]))  # draft k's previous token: p + k
     corrected, confidence = drafter.teacher_forced(hidden, embed, blocks)
-    np.testing.assert_allclose(corrected, GOLDEN[f"{name}/corrected_logits"], atol=5e-5)
-    if name == "vanilla":
+    np.testing.assert_allclose(corrected, GOLDEN[f"{name}/corrected_logits"][:, drafting], atol=5e-5)
+    if not cfg.confidence_head:
         assert confidence is None
     else:
-        np.testing.assert_allclose(confidence, GOLDEN[f"{name}/confidence_logits"], atol=2e-5)
+        np.testing.assert_allclose(confidence, GOLDEN[f"{name}/confidence_logits"][:, drafting], atol=2e-5)
 
 
-@pytest.mark.parametrize("name", ["gated", "rnn"])
+@pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash"])
 def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     target = its_target(name)
     drafter = load_drafter(FIXTURES / name, target=target)
@@ -100,8 +109,10 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
         return directory
 
     refusals = [
-        (dict(speculators_model_type="eagle3"), "a speculators eagle3 drafter; this reads speculators' DSpark"),
-        (dict(sample_from_anchor=False), "sample_from_anchor is false: block slot 0 is the last accepted token"),
+        (dict(speculators_model_type="eagle3"), "a speculators eagle3 drafter; this reads speculators' DSpark and DFlash"),
+        (dict(sample_from_anchor="no"), "sample_from_anchor is 'no', not true or false"),
+        (dict(sample_from_anchor=False, block_size=1), "block_size 1 with sample_from_anchor false drafts nothing"),
+        (dict(markov_rank=None), "a speculators dspark config without markov_rank: the checkpoint is damaged"),
         (dict(aux_hidden_state_layer_ids=[0, 3]), r"aux_hidden_state_layer_ids has 0 \(the target's embedding output\)"),
         (dict(aux_hidden_state_layer_ids=[1, 4]), "tap layer 3 is the target's final layer"),
         (dict(layers=dict(layer_types=["sliding_attention", "full_attention"])), "sliding-window draft layers"),

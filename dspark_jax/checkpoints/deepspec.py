@@ -98,7 +98,8 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
 
 
 def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, markov_rank: int, markov_head_type,
-                   confidence_head: bool, confidence_with_markov: bool, refuse, draft_vocab_size=None) -> DrafterConfig:
+                   confidence_head: bool, confidence_with_markov: bool, refuse, draft_vocab_size=None,
+                   draft_from_anchor: bool = True) -> DrafterConfig:
     """Our ``DrafterConfig`` for a DeepSpec-style DSpark drafter (DeepSpec's or speculators') whose
     draft layers have ``backbone``'s shape; ``refuse(reason)`` makes the error naming the file. No
     Markov head and no confidence head is a DFlash drafter, which both run as the same class."""
@@ -108,6 +109,7 @@ def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, marko
         markov_head=str(markov_head_type).lower() if markov_rank > 0 else "none",
         markov_rank=markov_rank, markov_w1_rows="target", confidence_head=confidence_head,
         confidence_with_markov=confidence_with_markov, draft_vocab_size=draft_vocab_size,
+        draft_from_anchor=draft_from_anchor,
     )
     if markov_rank == 0 and not confidence_head:
         fields |= dict(kind="dflash", ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)

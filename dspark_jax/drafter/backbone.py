@@ -145,37 +145,39 @@ class Backbone(nnx.Module):
         return self.hidden_norm(self.fc(features_BxSxF))
 
     def embed_blocks(self, embed_VxD, anchor_tokens, keep=None):
-        """``[anchor, MASK x (γ−1)]`` per block, through the frozen target embedding.
+        """``[anchor, MASK x (slots−1)]`` per block, through the frozen target embedding.
 
-        ``anchor_tokens [...]`` -> ``[..., γ, d]``; a dropped block (``keep`` False) gets MASK in
-        slot 0 too.
+        ``anchor_tokens [...]`` -> ``[..., slots, d]`` (``cfg.block_slots``); a dropped block
+        (``keep`` False) gets MASK in slot 0 too.
         """
-        gamma, mask = self.cfg.block_size, self.cfg.mask_token_id
+        slots, mask = self.cfg.block_slots, self.cfg.mask_token_id
         first = anchor_tokens if keep is None else jnp.where(keep, anchor_tokens, mask)
         tokens = jnp.concatenate(
-            [first[..., None], jnp.full((*first.shape, gamma - 1), mask, first.dtype)], axis=-1
+            [first[..., None], jnp.full((*first.shape, slots - 1), mask, first.dtype)], axis=-1
         )
         return jnp.take(jax.lax.stop_gradient(embed_VxD), tokens, axis=0)
 
     def forward_train(self, embed_VxD, features_BxSxF, anchors_BxA, anchor_tokens_BxA, keep_BxA):
-        """All blocks of a batch of sequences in one pass: ``h [B, A, γ, d]`` (post final norm).
+        """All blocks of a batch of sequences in one pass: ``h [B, A, γ, d]`` (post final norm),
+        entry ``k`` drafting the token ``k + 1`` after the anchor.
 
         Block ``b`` has its anchor at position ``anchors[b]``; it sees context rows ``< anchor``
-        (spec §1.7) and its own γ slots, at positions ``anchor + s`` (spec §1.8).
+        (spec §1.7) and its own slots, at positions ``anchor + s`` (spec §1.8); without
+        ``draft_from_anchor`` the anchor's slot drafts nothing and is left out of ``h``.
         """
         batch, num_anchors = anchors_BxA.shape
-        gamma = self.cfg.block_size
+        slots = self.cfg.block_slots
         seq = features_BxSxF.shape[1]
         ctx = self.project_context(features_BxSxF)
         ctx_cos, ctx_sin = self._rope(jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
 
-        x = self.embed_blocks(embed_VxD, anchor_tokens_BxA, keep_BxA).reshape(batch, num_anchors * gamma, -1)
-        block_anchor_BxQ = jnp.repeat(anchors_BxA, gamma, axis=1)
-        slot_Q = jnp.tile(jnp.arange(gamma), num_anchors)
+        x = self.embed_blocks(embed_VxD, anchor_tokens_BxA, keep_BxA).reshape(batch, num_anchors * slots, -1)
+        block_anchor_BxQ = jnp.repeat(anchors_BxA, slots, axis=1)
+        slot_Q = jnp.tile(jnp.arange(slots), num_anchors)
         cos, sin = self._rope(block_anchor_BxQ + slot_Q)
-        keep_BxQ = jnp.repeat(keep_BxA, gamma, axis=1)
+        keep_BxQ = jnp.repeat(keep_BxA, slots, axis=1)
         ctx_vis = context_visible(jnp.arange(seq), block_anchor_BxQ, self.cfg.sliding_window)
-        block_id_Q = jnp.repeat(jnp.arange(num_anchors), gamma)
+        block_id_Q = jnp.repeat(jnp.arange(num_anchors), slots)
         blk_vis = block_id_Q[:, None] == block_id_Q[None, :]
         ctx_vis = ctx_vis & keep_BxQ[..., None]
         blk_vis = blk_vis[None] & keep_BxQ[..., None]
@@ -183,7 +185,7 @@ class Backbone(nnx.Module):
         for layer in self.layers:
             k_ctx, v_ctx = layer.keys_values(ctx, ctx_cos, ctx_sin)
             x = layer(x, cos, sin, k_ctx, v_ctx, ctx_vis, blk_vis)
-        return self.final_norm(x).reshape(batch, num_anchors, gamma, -1)
+        return self.final_norm(x).reshape(batch, num_anchors, slots, -1)[:, :, slots - self.cfg.block_size:]
 
     def extend_context(self, cache: ContextCache, features_BxNxF, n_new_B) -> ContextCache:
         """Append ``n_new_B`` rows of tapped target features per request (the rest is padding)."""
@@ -199,18 +201,18 @@ class Backbone(nnx.Module):
         return ContextCache(tuple(keys), tuple(values), cache.lengths_B + n_new_B.astype(jnp.int32))
 
     def forward_block(self, embed_VxD, cache: ContextCache, anchor_tokens_B) -> jax.Array:
-        """One block per request after its context: ``h [B, γ, d]``.
+        """One block per request after its context: ``h [B, γ, d]`` (as ``forward_train``'s).
 
         The anchor sits at position ``cache.lengths_B`` (the context holds every committed token
         before it), so the block sees all cached rows (within the window) and itself.
         """
-        gamma = self.cfg.block_size
+        slots = self.cfg.block_slots
         batch = anchor_tokens_B.shape[0]
         x = self.embed_blocks(embed_VxD, anchor_tokens_B)
-        anchor_BxQ = jnp.broadcast_to(cache.lengths_B[:, None], (batch, gamma))
-        cos, sin = self._rope(anchor_BxQ + jnp.arange(gamma))
+        anchor_BxQ = jnp.broadcast_to(cache.lengths_B[:, None], (batch, slots))
+        cos, sin = self._rope(anchor_BxQ + jnp.arange(slots))
         ctx_vis = context_visible(jnp.arange(cache.keys[0].shape[1]), anchor_BxQ, self.cfg.sliding_window)
-        blk_vis = jnp.ones((batch, gamma, gamma), bool)
+        blk_vis = jnp.ones((batch, slots, slots), bool)
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[index], cache.values[index], ctx_vis, blk_vis)
-        return self.final_norm(x)
+        return self.final_norm(x)[:, slots - self.cfg.block_size:]
