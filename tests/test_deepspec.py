@@ -159,3 +159,43 @@ def test_convert_writes_a_deepspec_drafter_as_a_dspark_jax_one(tmp_path, capsys)
     with pytest.raises(SystemExit, match=r"--drafter .*: .*\['Gemma4DSparkModel'\]"):
         cli.main(["convert", "--deepspec", str(gemma), "--out", str(tmp_path / "no")])
     assert not (tmp_path / "no").exists()
+
+
+def test_a_dspark_draft_model_export_reads_its_fields_from_dflash_config(tmp_path):
+    """SpecForge / ModelOpt exports: ``DSparkDraftModel`` with DeepSpec's DSpark fields in a
+    ``dflash_config`` load as the ``Qwen3DSparkModel`` they lift to (vLLM's normalisation); one
+    without the copies of the target's embedding and head loads too, with no record of its target."""
+    from dspark_jax.checkpoints.drafter import drafter_tensors
+
+    nested_keys = ("mask_token_id", "target_layer_ids", "markov_rank", "markov_head_type", "enable_confidence_head",
+                   "confidence_head_with_markov")
+
+    def exported(name, nested=None, drop_frozen=False) -> Path:
+        directory = shutil.copytree(FIXTURES / "gated", tmp_path / name)
+        config = json.loads((directory / "config.json").read_text())
+        lifted = {key: config.pop(key) for key in nested_keys}
+        config |= {"architectures": ["DSparkDraftModel"], "dflash_config": {"projector_type": "dspark", **lifted,
+                                                                            **(nested or {})}}
+        (directory / "config.json").write_text(json.dumps(config))
+        if drop_frozen:
+            tensors = load_file(str(directory / "model.safetensors"))
+            save_file({k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")},
+                      str(directory / "model.safetensors"))
+        return directory
+
+    original = load_drafter(FIXTURES / "gated", target=its_target("gated"))
+    for directory in (exported("export"), exported("bare", drop_frozen=True)):
+        drafter = load_drafter(directory, target=its_target("gated"))
+        assert drafter.cfg == original.cfg
+        for name, value in drafter_tensors(original).items():
+            np.testing.assert_array_equal(drafter_tensors(drafter)[name], value, err_msg=name)
+    with pytest.raises(ValueError, match="trained for another target"):  # the export with the embedding's copy
+        load_drafter(tmp_path / "export", target=tiny_target(seed=5, **SHAPE))
+    assert load_drafter(tmp_path / "bare", target=tiny_target(seed=5, **SHAPE)).cfg == original.cfg
+    with pytest.raises(ValueError, match="dflash_config.projector_type 'dflash': this reads DSpark drafters"):
+        load_drafter(exported("dflash", nested={"projector_type": "dflash"}))
+    clash = exported("clash")
+    config = json.loads((clash / "config.json").read_text())
+    (clash / "config.json").write_text(json.dumps({**config, "mask_token_id": 7}))
+    with pytest.raises(ValueError, match="mask_token_id differ between the top level and dflash_config"):
+        load_drafter(clash)

@@ -136,6 +136,9 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
             load_drafter(damaged(**change), target=its_target())
     with pytest.raises(ValueError, match="hidden_size: drafter 64, target 32"):
         load_drafter(FIXTURES / "gated", target=tiny_target(**{**SHAPE, "hidden_size": 32, "head_dim": 8}))
+    # An export from before speculators had sample_from_anchor used DFlash's layout.
+    older = load_drafter(damaged(dict(sample_from_anchor=None)), target=its_target())
+    assert (older.cfg.draft_from_anchor, older.cfg.block_size, older.cfg.block_slots) == (False, 3, 4)
     # The verifier's own weights, which speculators may leave in a checkpoint, are not the drafter's.
     verifier = damaged(add={"verifier_norm.weight": np.ones(64, np.float32)})
     assert load_drafter(verifier, target=its_target()).cfg.draft_vocab_size == 61

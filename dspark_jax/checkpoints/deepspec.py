@@ -15,9 +15,14 @@ whole (a drafter takes its target's at run time), but a sketch of ``embed_tokens
 drafter's record of its target, so ``load_drafter`` refuses a target they do not match, as it
 does for drafters trained here.
 
+SpecForge and ModelOpt export the same drafter as ``DSparkDraftModel`` with its DSpark fields in
+a nested ``dflash_config`` (``projector_type`` "dspark"): read the same way once they are lifted
+to the top level, as vLLM does. Such an export may leave out the copies of the target's
+embedding and head; it then records nothing of its target.
+
 Refused by name: other architectures (Gemma 4 drafters), ``target_layer_ids`` of -1 (the
 embedding output) or of the target's last layer, sliding-window layers and attention biases.
-speculators' DSpark checkpoints (``checkpoints.speculators``) share these tensor names.
+speculators' DSpark and DFlash checkpoints (``checkpoints.speculators``) share these tensor names.
 
 Like ``checkpoints.speculators``, this module is a reader ``checkpoints.drafter`` dispatches to:
 ``NAME``, ``claims``, ``read_config``, ``read_drafter`` and ``trained_for``.
@@ -35,6 +40,9 @@ from dspark_jax.config import DrafterConfig, as_int, as_ints
 
 NAME = "deepspec"
 ARCHITECTURE = "Qwen3DSparkModel"
+# SpecForge / ModelOpt exports of the same drafter: DeepSpec's DSpark fields nested in
+# ``dflash_config`` (z-lab DFlash's layout), lifted to the top level as vLLM does.
+EXPORTED = "DSparkDraftModel"
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
 
@@ -68,10 +76,12 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
     def refuse(reason: str):
         return ValueError(f"{path}: {reason}")
 
-    if raw.get("architectures") != [ARCHITECTURE]:
+    if raw.get("architectures") == [EXPORTED] and isinstance(raw.get("dflash_config"), dict):
+        raw = _lifted(raw, refuse)
+    elif raw.get("architectures") != [ARCHITECTURE]:
         raise refuse(f"a DSpark drafter of architecture {raw.get('architectures')}; this reads DeepSpec's "
-                     f"{ARCHITECTURE} checkpoints (its Qwen3 drafters) and speculators' (whose config.json has a "
-                     "speculators_model_type)")
+                     f"{ARCHITECTURE} checkpoints (its Qwen3 drafters), their {EXPORTED} exports (with a "
+                     "dflash_config) and speculators' (whose config.json has a speculators_model_type)")
     missing = [key for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
                                "enable_confidence_head") if key not in raw]
     if missing:
@@ -95,6 +105,19 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
                           markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
                           confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
                           refuse=refuse), raw
+
+
+def _lifted(raw: dict, refuse) -> dict:
+    """An exported config with its ``dflash_config`` fields at the top level (as DeepSpec's)."""
+    nested = dict(raw["dflash_config"])
+    projector = nested.pop("projector_type", "dspark")
+    if projector != "dspark":
+        raise refuse(f"dflash_config.projector_type {projector!r}: this reads DSpark drafters (projector_type "
+                     "'dspark')")
+    clashing = sorted(key for key, value in nested.items() if key in raw and raw[key] != value)
+    if clashing:
+        raise refuse(f"{', '.join(clashing)} differ between the top level and dflash_config: the checkpoint is damaged")
+    return {**nested, **raw}
 
 
 def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, markov_rank: int, markov_head_type,
@@ -184,15 +207,17 @@ def read_drafter(directory):
     return read_sources(directory, cfg, tensor_sources(cfg), ignored=FROZEN, described=ARCHITECTURE)
 
 
-def trained_for(directory, raw: dict) -> dict:
+def trained_for(directory, raw: dict) -> dict | None:
     """The record of a DeepSpec checkpoint's target (``checkpoints.drafter.identity``): its depth,
     from its ``config.json`` (``raw``), and a sketch of ``embed_tokens``, of which only the
-    sampled rows are read."""
+    sampled rows are read; None for an export without the copy of the embedding."""
     from dspark_jax.checkpoints.drafter import identity, sketch_of_rows
     from dspark_jax.checkpoints.hf import open_safetensors, safetensors_files
 
     files = safetensors_files(Path(directory))
     if "embed_tokens.weight" not in files:
+        if raw.get("architectures") == [EXPORTED]:  # exports may leave the target's copies out
+            return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")
     with open_safetensors(files["embed_tokens.weight"]) as f:

@@ -13,10 +13,10 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
 * Its tapped layers count the target's hidden states as transformers does (0 is the embedding
   output, ``i`` the output of decoder layer ``i - 1``): layer id ``i`` is our tap ``i - 1``.
 * ``sample_from_anchor`` false (DFlash's default, z-lab's convention; checkpoints speculators
-  converted from z-lab's are of this kind): block slot 0 holds the anchor and drafts nothing, slot
-  ``k`` drafts the ``k``-th token after it, so ``block_size`` slots draft ``block_size - 1``
-  tokens (our ``draft_from_anchor=False``). True (DSpark's default, DeepSpec's convention): slot
-  ``k`` drafts token ``k + 1``.
+  converted from z-lab's are of this kind, and exports from before the key existed): block slot 0
+  holds the anchor and drafts nothing, slot ``k`` drafts the ``k``-th token after it, so
+  ``block_size`` slots draft ``block_size - 1`` tokens (our ``draft_from_anchor=False``). True
+  (DSpark's default, DeepSpec's convention): slot ``k`` drafts token ``k + 1``.
 * A reduced draft vocabulary (``draft_vocab_size`` below the target's) has its own ``lm_head``
   over those tokens and ``d2t``, an offset per draft token (target id = draft index + ``d2t``),
   read as our reduced head and its ids; the Markov head's ``W1`` still has a row per target token.
@@ -77,7 +77,8 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
     missing = [key for key in REQUIRED + MODEL_TYPES[kind] if raw.get(key) is None]
     if missing:
         raise refuse(f"a speculators {kind} config without {', '.join(missing)}: the checkpoint is damaged")
-    from_anchor = raw.get("sample_from_anchor", kind == "dspark")  # each class's default
+    # Exports from before speculators had the key (its PR #760) used DFlash's layout, DSpark's too.
+    from_anchor = raw.get("sample_from_anchor", False)
     if not isinstance(from_anchor, bool):
         raise refuse(f"sample_from_anchor is {from_anchor!r}, not true or false: the checkpoint is damaged")
     layers = raw["transformer_layer_config"]
