@@ -93,7 +93,7 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
     if 0 in layer_ids:
         raise refuse("aux_hidden_state_layer_ids has 0 (the target's embedding output), which dspark-jax drafters "
                      "do not tap")
-    if any(kind != "full_attention" for kind in layers.get("layer_types") or []):
+    if any(layer_type != "full_attention" for layer_type in layers.get("layer_types") or []):
         raise refuse(f"layer_types {layers['layer_types']}: sliding-window draft layers are not supported")
     try:
         backbone = config_from_hf(layers)  # the draft layers: the target's config at the drafter's depth
