@@ -12,6 +12,11 @@ transformers, best in a venv of their own (speculators pins transformers 5)::
 
 CI needs none of them: it reads what this script wrote.
 
+It also writes a tiny checkpoint in z-lab DFlash's layout (``tests/fixtures/tiny_zlab_dflash/``:
+``DFlashDraftModel``, ``dflash_config``, taps numbered by decoder layer), has speculators' own
+``DFlashConverter`` convert it against a tiny verifier transformers saves, and keeps what the
+converted drafter computes (``zlab/...`` in the goldens).
+
 For each variant (a gated Markov head over a reduced draft vocabulary, with a confidence head on
 its features; an RNN head with a confidence head on the hidden state alone; a vanilla head with
 no confidence head; a gated head whose block's slot 0 drafts nothing, and a DFlash drafter so,
@@ -38,6 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "tiny_speculators"
 GOLDEN = REPO / "tests" / "goldens" / "tiny_speculators.npz"
+ZLAB_FIXTURE = REPO / "tests" / "fixtures" / "tiny_zlab_dflash"
 TARGET = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
               tie_word_embeddings=True)
@@ -58,12 +64,15 @@ VARIANTS = {
     "gated_after_anchor": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
                                confidence_head_with_markov=True, draft_vocab_size=97, sample_from_anchor=False),
     "dflash": dict(draft_vocab_size=61, sample_from_anchor=False),
+    "zlab": dict(draft_vocab_size=97, sample_from_anchor=False),  # the drafter of the z-lab checkpoint
 }
 SEQUENCE = 24
 ANCHORS = 3
 
 
-def make(name: str, seed: int) -> dict[str, np.ndarray]:
+def drafter(name: str, seed: int):
+    """``(model, its speculators module, the target's embedding, the draft vocabulary's ids)``: the
+    variant's drafter with seeded random weights (norms included, so that a skipped one shows)."""
     import torch
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import core as dflash
@@ -74,7 +83,7 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
     from transformers import Qwen3Config
 
     variant = VARIANTS[name]
-    algorithm, core, config_class = (("dflash", dflash, DFlashSpeculatorConfig) if name == "dflash" else
+    algorithm, core, config_class = (("dflash", dflash, DFlashSpeculatorConfig) if "markov_rank" not in variant else
                                      ("dspark", dspark, DSparkSpeculatorConfig))
     layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS)
     layer_config._attn_implementation = "eager"
@@ -86,7 +95,7 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
             algorithm=algorithm, default_proposal_method="greedy", verifier=verifier,
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafts)]))
     torch.manual_seed(seed)
-    model = core.DFlashDraftModel(config).eval() if name == "dflash" else core.DSparkDraftModel(config).eval()
+    model = (core.DFlashDraftModel if core is dflash else core.DSparkDraftModel)(config).eval()
     vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
     embedding = 0.2 * torch.randn(vocab, width)
     draft_ids = torch.arange(vocab)
@@ -96,21 +105,26 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
         t2d[draft_ids] = True
         model.load_vocab_mappings(t2d, draft_ids - torch.arange(len(draft_ids)))
     with torch.no_grad():
-        for param_name, param in model.named_parameters():  # norms too, so that a skipped one shows
+        for param_name, param in model.named_parameters():
             spread = 0.2 if param.ndim > 1 else 0.5
             param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
         model.embed_tokens.weight.copy_(embedding)
         model.lm_head.weight.copy_(embedding[draft_ids])  # the target's tied head, its draft rows
         model.verifier_lm_head.weight.copy_(embedding[draft_ids])
-    out = FIXTURES / name
-    model.save_pretrained(out, safe_serialization=True)
-    # save_pretrained also copies speculators' config source beside it (``auto_map``, for
-    # transformers' remote code); it is their code, not the format, and nothing here reads it.
-    (out / "config.py").unlink()
+    return model, core, embedding, draft_ids
 
+
+def computed(model, core, seed: int, embedding, draft_ids) -> dict:
+    """What speculators' training forward computes for each anchored block of random tapped
+    features and tokens: the inputs, the hidden states, and the Markov-corrected and confidence
+    logits its loss receives (captured at its ``compute_metrics``)."""
+    import torch
+    from speculators.models.dspark import core as dspark
+
+    width = TARGET["hidden_size"]
     generator = torch.Generator().manual_seed(seed + 1)
     features = torch.randn(1, SEQUENCE, len(AUX_LAYER_IDS) * width, generator=generator)
-    input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
+    input_ids = torch.randint(4, TARGET["vocab_size"], (1, SEQUENCE), generator=generator)
     loss_mask = torch.ones(1, SEQUENCE, dtype=torch.long)
     loss_mask[:, :6] = 0  # the prompt: no anchors there
     captured = {}
@@ -140,16 +154,68 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
               "corrected_logits": captured["logits"][0].view(ANCHORS, slots, -1)}
     if captured["confidence"] is not None:
         result["confidence_logits"] = captured["confidence"][0].view(ANCHORS, slots)
-    return {f"{name}/{key}": value.numpy() for key, value in result.items()}
+    return {key: value.numpy() for key, value in result.items()}
+
+
+def make(name: str, seed: int) -> dict[str, np.ndarray]:
+    model, core, embedding, draft_ids = drafter(name, seed)
+    out = FIXTURES / name
+    model.save_pretrained(out, safe_serialization=True)
+    # save_pretrained also copies speculators' config source beside it (``auto_map``, for
+    # transformers' remote code); it is their code, not the format, and nothing here reads it.
+    (out / "config.py").unlink()
+    return computed(model, core, seed, embedding, draft_ids)
+
+
+def make_zlab(seed: int) -> dict[str, np.ndarray]:
+    """A z-lab DFlash checkpoint (its ``config.json`` layout, the draft layers' tensors without
+    embedding or head), converted by speculators' own ``DFlashConverter`` against a tiny verifier
+    saved by transformers; what the converted drafter computes is the golden."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+    from speculators.convert.dflash.converter import DFlashConverter
+    from speculators.models.dflash import core as dflash
+    from speculators.models.dflash.config import DFlashSpeculatorConfig
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model, _, embedding, draft_ids = drafter("zlab", seed)
+    body = {k: v.contiguous() for k, v in model.state_dict().items()
+            if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    out = ZLAB_FIXTURE
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS).to_dict(), "architectures": ["DFlashDraftModel"],
+              "block_size": COMMON["block_size"], "num_target_layers": TARGET_LAYERS,
+              # z-lab numbers taps by decoder layer (its features are hidden_states[id + 1])
+              "dflash_config": {"target_layer_ids": [i - 1 for i in AUX_LAYER_IDS],
+                                "mask_token_id": COMMON["mask_token_id"]}}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(body, str(out / "model.safetensors"))
+    with tempfile.TemporaryDirectory() as scratch:
+        verifier = Qwen3ForCausalLM(Qwen3Config(**TARGET, num_hidden_layers=TARGET_LAYERS))
+        with torch.no_grad():
+            verifier.model.embed_tokens.weight.copy_(embedding)
+        verifier.save_pretrained(f"{scratch}/verifier")
+        DFlashConverter().convert(out, f"{scratch}/converted", base_model=f"{scratch}/verifier")
+        converted_config = DFlashSpeculatorConfig.from_pretrained(f"{scratch}/converted")
+        assert converted_config.aux_hidden_state_layer_ids == AUX_LAYER_IDS, converted_config
+        converted_config.transformer_layer_config._attn_implementation = "eager"
+        converted = dflash.DFlashDraftModel.from_pretrained(f"{scratch}/converted", config=converted_config).eval()
+        for key, value in body.items():  # the converter copies the body as it is
+            assert torch.equal(converted.state_dict()[key], value), key
+        return computed(converted, dflash, seed, embedding, draft_ids)
 
 
 def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny verifier is nowhere to download
     arrays = {}
     for seed, name in enumerate(VARIANTS):
-        arrays |= make(name, seed)
+        outputs = make_zlab(seed) if name == "zlab" else make(name, seed)
+        arrays |= {f"{name}/{key}": value for key, value in outputs.items()}
     np.savez_compressed(GOLDEN, **arrays)
-    print(json.dumps({name: sorted(p.name for p in (FIXTURES / name).iterdir()) for name in VARIANTS}))
+    written = {name: FIXTURES / name for name in VARIANTS if name != "zlab"} | {"zlab": ZLAB_FIXTURE}
+    print(json.dumps({name: sorted(p.name for p in directory.iterdir()) for name, directory in written.items()}))
     return 0
 
 

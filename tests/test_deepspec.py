@@ -192,7 +192,7 @@ def test_a_dspark_draft_model_export_reads_its_fields_from_dflash_config(tmp_pat
     with pytest.raises(ValueError, match="trained for another target"):  # the export with the embedding's copy
         load_drafter(tmp_path / "export", target=tiny_target(seed=5, **SHAPE))
     assert load_drafter(tmp_path / "bare", target=tiny_target(seed=5, **SHAPE)).cfg == original.cfg
-    with pytest.raises(ValueError, match="dflash_config.projector_type 'dflash': this reads DSpark drafters"):
+    with pytest.raises(ValueError, match="dflash_config.projector_type 'dflash': a DSparkDraftModel is read as projector_type 'dspark'"):
         load_drafter(exported("dflash", nested={"projector_type": "dflash"}))
     clash = exported("clash")
     config = json.loads((clash / "config.json").read_text())

@@ -25,6 +25,7 @@ from tests.test_deepspec import SHAPE
 from tests.tiny import tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_speculators"
+ZLAB = Path(__file__).parent / "fixtures" / "tiny_zlab_dflash"  # z-lab's DFlash layout (the script's make_zlab)
 GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_speculators.npz")
 
 
@@ -54,6 +55,12 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
     assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size,
             cfg.draft_from_anchor, cfg.kind) == EXPECTED[name]
     assert cfg.tap_layers == (0, 2) and cfg.block_slots == 4 and cfg.mask_token_id == 3
+    drafts_as_computed(drafter, name)
+
+
+def drafts_as_computed(drafter, name: str) -> None:
+    """``drafter``'s outputs for the golden's anchored blocks are those speculators computed."""
+    cfg = drafter.cfg
     if cfg.draft_vocab_size is not None:
         np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
     embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
@@ -76,6 +83,31 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
         assert confidence is None
     else:
         np.testing.assert_allclose(confidence, GOLDEN[f"{name}/confidence_logits"][:, drafting], atol=2e-5)
+
+
+def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_converted_it(tmp_path):
+    """z-lab's DFlash layout (``DFlashDraftModel``, ``dflash_config``, taps numbered by decoder
+    layer, slot 0 drafting nothing), read directly: it drafts what speculators' drafter computes
+    after speculators' own converter read the same checkpoint, and decodes losslessly."""
+    drafter = load_drafter(ZLAB, target=its_target("zlab"))
+    cfg = drafter.cfg
+    assert (cfg.kind, cfg.markov_head, cfg.confidence_head, cfg.draft_vocab_size) == ("dflash", "none", False, None)
+    assert (cfg.tap_layers, cfg.block_size, cfg.block_slots, cfg.draft_from_anchor) == ((0, 2), 3, 4, False)
+    drafts_as_computed(drafter, "zlab")
+    target = its_target("zlab")
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
+    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12)
+    assert got.tokens == want.tokens
+    for nested, message in ((dict(projector_type="dspark"), r"projector_type 'dspark': a DFlashDraftModel is read as "
+                                                             "projector_type 'dflash'"),
+                            (dict(mask_token_id=None), "without mask_token_id: the checkpoint is damaged")):
+        directory = shutil.copytree(ZLAB, tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+        config = json.loads((directory / "config.json").read_text())
+        config["dflash_config"] = {k: v for k, v in {**config["dflash_config"], **nested}.items() if v is not None}
+        (directory / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_drafter(directory)
 
 
 @pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash"])

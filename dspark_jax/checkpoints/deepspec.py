@@ -17,8 +17,11 @@ does for drafters trained here.
 
 SpecForge and ModelOpt export the same drafter as ``DSparkDraftModel`` with its DSpark fields in
 a nested ``dflash_config`` (``projector_type`` "dspark"): read the same way once they are lifted
-to the top level, as vLLM does. Such an export may leave out the copies of the target's
-embedding and head; it then records nothing of its target.
+to the top level, as vLLM does. z-lab's DFlash drafters (``DFlashDraftModel``, ``dflash_config``
+with ``target_layer_ids`` and ``mask_token_id``) are the same layers without heads, whose block
+slot 0 holds the anchor and drafts nothing: ``block_size`` slots draft ``block_size - 1`` tokens
+(``draft_from_anchor=False``). Either may leave out the copies of the target's embedding and
+head; it then records nothing of its target.
 
 Refused by name: other architectures (Gemma 4 drafters), ``target_layer_ids`` of -1 (the
 embedding output) or of the target's last layer, sliding-window layers and attention biases.
@@ -43,6 +46,9 @@ ARCHITECTURE = "Qwen3DSparkModel"
 # SpecForge / ModelOpt exports of the same drafter: DeepSpec's DSpark fields nested in
 # ``dflash_config`` (z-lab DFlash's layout), lifted to the top level as vLLM does.
 EXPORTED = "DSparkDraftModel"
+# z-lab's DFlash drafters: the same layers and tensors, no heads, and block slot 0 drafts nothing.
+ZLAB_DFLASH = "DFlashDraftModel"
+NESTED = {EXPORTED: "dspark", ZLAB_DFLASH: "dflash"}  # architecture -> its dflash_config's projector_type
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
 
@@ -63,7 +69,8 @@ def claims(directory) -> bool:
     if raw is None or "speculators_model_type" in raw:  # speculators' (checkpoints.speculators)
         return False
     architectures = raw.get("architectures")
-    return isinstance(architectures, list) and any("DSpark" in str(a) for a in architectures)
+    return isinstance(architectures, list) and (
+        architectures == [ZLAB_DFLASH] or any("DSpark" in str(a) for a in architectures))
 
 
 def read_config(directory) -> tuple[DrafterConfig, dict]:
@@ -76,16 +83,20 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
     def refuse(reason: str):
         return ValueError(f"{path}: {reason}")
 
-    if raw.get("architectures") == [EXPORTED] and isinstance(raw.get("dflash_config"), dict):
-        raw = _lifted(raw, refuse)
+    architecture = (raw.get("architectures") or [None])[0]
+    zlab = architecture == ZLAB_DFLASH
+    if architecture in NESTED and len(raw["architectures"]) == 1 and isinstance(raw.get("dflash_config"), dict):
+        raw = _lifted(raw, NESTED[architecture], refuse)
+        if zlab:  # DFlash: no Markov head, no confidence head
+            raw = {"markov_rank": 0, "enable_confidence_head": False, **raw}
     elif raw.get("architectures") != [ARCHITECTURE]:
-        raise refuse(f"a DSpark drafter of architecture {raw.get('architectures')}; this reads DeepSpec's "
-                     f"{ARCHITECTURE} checkpoints (its Qwen3 drafters), their {EXPORTED} exports (with a "
-                     "dflash_config) and speculators' (whose config.json has a speculators_model_type)")
+        raise refuse(f"a drafter of architecture {raw.get('architectures')}; this reads DeepSpec's {ARCHITECTURE} "
+                     f"checkpoints (its Qwen3 drafters), {EXPORTED} exports and z-lab's {ZLAB_DFLASH} ones (with a "
+                     "dflash_config), and speculators' (whose config.json has a speculators_model_type)")
     missing = [key for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
                                "enable_confidence_head") if key not in raw]
     if missing:
-        raise refuse(f"a {ARCHITECTURE} config without {', '.join(missing)}: the checkpoint is damaged")
+        raise refuse(f"a {architecture} config without {', '.join(missing)}: the checkpoint is damaged")
     try:
         taps = as_ints(raw["target_layer_ids"], "target_layer_ids")
         rank, gamma, mask, _ = (as_int(raw[key], key)
@@ -100,20 +111,24 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
         backbone = config_from_hf(raw)  # the draft layers' shape: the target's Qwen3 config, drafter depth
     except ValueError as error:
         raise refuse(str(error)) from None
+    if zlab and gamma < 2:
+        raise refuse(f"block_size {gamma}: slot 0 of a {ZLAB_DFLASH} block drafts nothing, so it drafts nothing")
     confidence = bool(raw["enable_confidence_head"])
-    return drafter_config(backbone, taps=taps, mask_token_id=mask, block_size=gamma, markov_rank=rank,
+    return drafter_config(backbone, taps=taps, mask_token_id=mask, block_size=gamma - 1 if zlab else gamma,
+                          draft_from_anchor=not zlab, markov_rank=rank,
                           markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
                           confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
                           refuse=refuse), raw
 
 
-def _lifted(raw: dict, refuse) -> dict:
-    """An exported config with its ``dflash_config`` fields at the top level (as DeepSpec's)."""
+def _lifted(raw: dict, projector: str, refuse) -> dict:
+    """A config with its ``dflash_config`` fields at the top level (as DeepSpec's), which must be
+    of ``projector`` kind where it says."""
     nested = dict(raw["dflash_config"])
-    projector = nested.pop("projector_type", "dspark")
-    if projector != "dspark":
-        raise refuse(f"dflash_config.projector_type {projector!r}: this reads DSpark drafters (projector_type "
-                     "'dspark')")
+    said = nested.pop("projector_type", projector)
+    if said != projector:
+        raise refuse(f"dflash_config.projector_type {said!r}: a {raw['architectures'][0]} is read as projector_type "
+                     f"{projector!r}")
     clashing = sorted(key for key, value in nested.items() if key in raw and raw[key] != value)
     if clashing:
         raise refuse(f"{', '.join(clashing)} differ between the top level and dflash_config: the checkpoint is damaged")
@@ -216,7 +231,7 @@ def trained_for(directory, raw: dict) -> dict | None:
 
     files = safetensors_files(Path(directory))
     if "embed_tokens.weight" not in files:
-        if raw.get("architectures") == [EXPORTED]:  # exports may leave the target's copies out
+        if raw.get("architectures") != [ARCHITECTURE]:  # exports, z-lab's too, may leave the target's copies out
             return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")
