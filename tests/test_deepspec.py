@@ -87,7 +87,7 @@ def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_p
     a confidence head saved without a bias (checkpoints in the wild have none) loads."""
     with monkeypatch.context() as patch:
         patch.setattr("dspark_jax.checkpoints.deepspec.read_drafter",
-                      lambda directory: pytest.fail("read the weights for a target it refuses"))
+                      lambda directory, cfg: pytest.fail("read the weights for a target it refuses"))
         with pytest.raises(ValueError, match=r"trained for another target of this width and vocabulary.*\(dspark train\)$"):
             load_drafter(FIXTURES / "gated", target=tiny_target(seed=5, **SHAPE))
         with pytest.raises(ValueError, match="trained for a target of 4 decoder layers, and this target has 5"):

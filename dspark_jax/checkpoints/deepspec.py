@@ -75,8 +75,6 @@ def claims(directory) -> bool:
 
 def read_config(directory) -> tuple[DrafterConfig, dict]:
     """The ``DrafterConfig`` of a DeepSpec checkpoint and its whole ``config.json``."""
-    from dspark_jax.checkpoints.hf import config_from_hf
-
     path = Path(directory) / CONFIG_FILE
     raw = json.loads(path.read_text())
 
@@ -105,20 +103,29 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     if -1 in taps:
         raise refuse("target_layer_ids has -1 (the target's embedding output), which dspark-jax drafters do not tap")
-    if any(kind != "full_attention" for kind in raw.get("layer_types") or []):
-        raise refuse(f"layer_types {raw['layer_types']}: sliding-window draft layers are not supported")
-    try:
-        backbone = config_from_hf(raw)  # the draft layers' shape: the target's Qwen3 config, drafter depth
-    except ValueError as error:
-        raise refuse(str(error)) from None
+    backbone = draft_layers(raw, refuse)  # the target's Qwen3 config, at the drafter's depth
     if zlab and gamma < 2:
-        raise refuse(f"block_size {gamma}: slot 0 of a {ZLAB_DFLASH} block drafts nothing, so it drafts nothing")
+        raise refuse(f"block_size {gamma}: slot 0 of a {ZLAB_DFLASH} block drafts nothing, so this block drafts "
+                     "no token")
     confidence = bool(raw["enable_confidence_head"])
     return drafter_config(backbone, taps=taps, mask_token_id=mask, block_size=gamma - 1 if zlab else gamma,
                           draft_from_anchor=not zlab, markov_rank=rank,
                           markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
                           confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
                           refuse=refuse), raw
+
+
+def draft_layers(layers: dict, refuse):
+    """The ``TargetConfig`` shape of a checkpoint's draft layers from their HF config (full
+    attention only); ``refuse(reason)`` makes the error naming the file."""
+    from dspark_jax.checkpoints.hf import config_from_hf
+
+    if any(kind != "full_attention" for kind in layers.get("layer_types") or []):
+        raise refuse(f"layer_types {layers['layer_types']}: sliding-window draft layers are not supported")
+    try:
+        return config_from_hf(layers)
+    except ValueError as error:
+        raise refuse(str(error)) from None
 
 
 def _lifted(raw: dict, projector: str, refuse) -> dict:
@@ -215,10 +222,10 @@ def read_sources(directory, cfg: DrafterConfig, sources: dict[str, tuple[str, ..
     return cfg, tensors | read_tensors(files, set(integers), np.int32)
 
 
-def read_drafter(directory):
-    """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config and our drafter's tensors by
-    state path (float32); ``trained_for`` reads the record of its target."""
-    cfg = read_config(directory)[0]
+def read_drafter(directory, cfg: DrafterConfig):
+    """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config (``read_config``'s, adjusted to
+    what the tensors hold) and our drafter's tensors by state path (float32); ``trained_for``
+    reads the record of its target."""
     return read_sources(directory, cfg, tensor_sources(cfg), ignored=FROZEN, described=ARCHITECTURE)
 
 

@@ -342,7 +342,7 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
         if recorded is not None:
             _check_trained_target(directory, recorded, target, in_config=reader is None)
     if reader is not None:
-        cfg, tensors = reader.read_drafter(directory)  # under our names already
+        cfg, tensors = reader.read_drafter(directory, cfg)  # under our names already
         weights_id = None
     else:
         tensors, weights_id = _read_weights(directory)

@@ -38,6 +38,7 @@ import numpy as np
 
 from dspark_jax.checkpoints.deepspec import (
     CONFIG_FILE,
+    draft_layers,
     drafter_config,
     read_config_json,
     read_sources,
@@ -63,8 +64,6 @@ def claims(directory) -> bool:
 
 def read_config(directory) -> tuple[DrafterConfig, dict]:
     """The ``DrafterConfig`` of a speculators DSpark or DFlash checkpoint and its whole ``config.json``."""
-    from dspark_jax.checkpoints.hf import config_from_hf
-
     path = Path(directory) / CONFIG_FILE
     raw = read_config_json(directory)
 
@@ -93,12 +92,7 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
     if 0 in layer_ids:
         raise refuse("aux_hidden_state_layer_ids has 0 (the target's embedding output), which dspark-jax drafters "
                      "do not tap")
-    if any(layer_type != "full_attention" for layer_type in layers.get("layer_types") or []):
-        raise refuse(f"layer_types {layers['layer_types']}: sliding-window draft layers are not supported")
-    try:
-        backbone = config_from_hf(layers)  # the draft layers: the target's config at the drafter's depth
-    except ValueError as error:
-        raise refuse(f"transformer_layer_config: {error}") from None
+    backbone = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
     width = raw.get("target_hidden_size")
     if width is not None and width != backbone.hidden_size:
         raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
@@ -114,12 +108,12 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
         draft_vocab_size=draft_vocab if draft_vocab != backbone.vocab_size else None, refuse=refuse), raw
 
 
-def read_drafter(directory):
-    """``(cfg, tensors)``: a speculators checkpoint's drafter config and our drafter's
-    tensors by state path (float32; a reduced vocabulary's target ids as ``draft_head.d2t``)."""
+def read_drafter(directory, cfg: DrafterConfig):
+    """``(cfg, tensors)``: a speculators checkpoint's drafter config (``read_config``'s) and our
+    drafter's tensors by state path (float32; a reduced vocabulary's target ids as
+    ``draft_head.d2t``)."""
     from dspark_jax.checkpoints.drafter import D2T
 
-    cfg = read_config(directory)[0]
     sources = tensor_sources(cfg)
     if cfg.draft_vocab_size is None:  # the target's head; vocabulary maps, where saved, are the identity
         ignored, integers = [*VERIFIER_TENSORS, "lm_head.weight", "d2t", "t2d"], ()
