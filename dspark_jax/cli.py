@@ -640,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = conv.add_mutually_exclusive_group()
     source.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
     source.add_argument("--drafter", "--deepspec", dest="drafter", default=None,
-                        help="a drafter checkpoint DeepSpec (Qwen3DSparkModel) or speculators (DSpark, DFlash) "
+                        help="a drafter checkpoint DeepSpec (Qwen3DSparkModel) or speculators (DSpark, DFlash, EAGLE-3) "
                              "saved; DeepSpec's is written without its copies of the target's embedding and LM head")
     conv.add_argument("--out", required=True)
     conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",

@@ -256,6 +256,9 @@ class SamplingConfig:
 MARKOV_HEADS = ("none", "vanilla", "gated", "rnn")
 MARKOV_W1_ROWS = ("target", "draft")
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+# How an EAGLE-3 drafter RMS-normalises the tapped features before ``fc``: not at all, with one norm
+# over their concatenation (speculators' ``norm_before_fc``), or one per tapped layer (``fc_norm``).
+EAGLE3_FEATURE_NORMS = ("none", "joint", "per_layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +289,8 @@ class DrafterConfig:
     confidence_head: bool = True
     confidence_with_markov: bool = True
     confidence_bias: bool = True
-    sliding_window: int | None = None  # context positions a block sees (None: all)
+    # Context positions a block sees; for EAGLE-3, positions a query sees, its own included (None: all).
+    sliding_window: int | None = None
     draft_vocab_size: int | None = None  # reduced LM head over the top-N target tokens
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -294,6 +298,13 @@ class DrafterConfig:
     position_decay: float = 4.0
     tv_half: bool = False
     ttt_step_decay: float = 0.8  # EAGLE-3 training-time-test step weight
+    # EAGLE-3 variants speculators trains (all off: EAGLE-3 as published). The features' norm before
+    # fc (EAGLE3_FEATURE_NORMS); the layer's residual stream starting from the normed hidden state
+    # (``norm_before_residual``) instead of the raw one; the final norm's output serving as both the
+    # head's input and the next step's hidden state (``norm_output``, EAGLE 3.1).
+    eagle3_feature_norm: str = "none"
+    eagle3_norm_before_residual: bool = False
+    eagle3_norm_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.backbone, Mapping):
@@ -306,7 +317,8 @@ class DrafterConfig:
         for name in ("sliding_window", "draft_vocab_size"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_int(getattr(self, name), name, "an int or None"))
-        for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half", "draft_from_anchor"):
+        for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half", "draft_from_anchor",
+                     "eagle3_norm_before_residual", "eagle3_norm_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("ce_weight", "tv_weight", "confidence_weight", "position_decay", "ttt_step_decay"):
@@ -340,9 +352,12 @@ class DrafterConfig:
         if not self.draft_from_anchor and self.kind == "eagle3":
             raise ValueError("draft_from_anchor=False lays out a block drafter's block (dspark, dflash); the "
                              "EAGLE-3 drafter drafts step by step")
-        if self.sliding_window is not None and self.kind == "eagle3":
-            raise ValueError("sliding_window limits a block drafter's context (dspark, dflash); the EAGLE-3 "
-                             "drafter attends over its whole sequence")
+        if self.eagle3_feature_norm not in EAGLE3_FEATURE_NORMS:
+            raise ValueError(f"eagle3_feature_norm must be one of {EAGLE3_FEATURE_NORMS}, got {self.eagle3_feature_norm!r}")
+        eagle3_options = [name for name, off in (("eagle3_feature_norm", "none"), ("eagle3_norm_before_residual", False),
+                                                 ("eagle3_norm_output", False)) if getattr(self, name) != off]
+        if eagle3_options and self.kind != "eagle3":
+            raise ValueError(f"{', '.join(eagle3_options)} shape an EAGLE-3 drafter's layer, not a {self.kind} one")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.backbone.vocab_size:
             raise ValueError(
                 f"draft_vocab_size must be in (0, {self.backbone.vocab_size}], got {self.draft_vocab_size}"

@@ -68,6 +68,17 @@ VARIANTS = {
 }
 SEQUENCE = 24
 ANCHORS = 3
+# EAGLE-3 drafters (Eagle3DraftModel): one draft layer, 3 TTT steps. "eagle3" is EAGLE-3 as
+# published (Qwen3 layer, reduced vocabulary); "eagle3_trained" what speculators' trainer makes
+# by default (Llama layer, the norms before the residual and fc and on the output, an 8-position
+# sliding window, here shorter than the sequence); "eagle3_fc_norm" a norm per tapped layer.
+EAGLE3_VARIANTS = {
+    "eagle3": dict(arch="qwen3", draft_vocab_size=61),
+    "eagle3_trained": dict(arch="llama", draft_vocab_size=97, norm_before_residual=True, norm_before_fc=True,
+                           norm_output=True, sliding_window=8),
+    "eagle3_fc_norm": dict(arch="qwen3", draft_vocab_size=61, fc_norm=True),
+}
+TTT_STEPS = 3
 
 
 def drafter(name: str, seed: int):
@@ -99,18 +110,9 @@ def drafter(name: str, seed: int):
     vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
     embedding = 0.2 * torch.randn(vocab, width)
     draft_ids = torch.arange(vocab)
-    if model.use_draft_vocab:  # speculators' convention: t2d a mask, d2t offsets (target id - draft index)
+    if model.use_draft_vocab:
         draft_ids = torch.sort(torch.randperm(vocab)[:variant["draft_vocab_size"]]).values
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[draft_ids] = True
-        model.load_vocab_mappings(t2d, draft_ids - torch.arange(len(draft_ids)))
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            spread = 0.2 if param.ndim > 1 else 0.5
-            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
-        model.embed_tokens.weight.copy_(embedding)
-        model.lm_head.weight.copy_(embedding[draft_ids])  # the target's tied head, its draft rows
-        model.verifier_lm_head.weight.copy_(embedding[draft_ids])
+    randomize(model, embedding, draft_ids, variant["draft_vocab_size"])
     return model, core, embedding, draft_ids
 
 
@@ -154,6 +156,76 @@ def computed(model, core, seed: int, embedding, draft_ids) -> dict:
               "corrected_logits": captured["logits"][0].view(ANCHORS, slots, -1)}
     if captured["confidence"] is not None:
         result["confidence_logits"] = captured["confidence"][0].view(ANCHORS, slots)
+    return {key: value.numpy() for key, value in result.items()}
+
+
+def randomize(model, embedding, draft_ids, draft_vocab_size: int) -> None:
+    """Seeded random weights (norms away from 1, so that a skipped one shows), the target's
+    embedding, and its tied head's rows for the draft vocabulary (speculators' mapping: ``t2d`` a
+    mask, ``d2t`` offsets, target id minus draft index)."""
+    import torch
+
+    vocab = TARGET["vocab_size"]
+    if model.use_draft_vocab:
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[draft_ids] = True
+        model.load_vocab_mappings(t2d, draft_ids - torch.arange(draft_vocab_size))
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            spread = 0.2 if param.ndim > 1 else 0.5
+            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
+        model.embed_tokens.weight.copy_(embedding)
+        model.lm_head.weight.copy_(embedding[draft_ids])
+        model.verifier_lm_head.weight.copy_(embedding[draft_ids])
+
+
+def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
+    """A speculators ``Eagle3DraftModel`` saved, and the logits of each TTT step of its training
+    forward (captured at its ``lm_head``) on random tapped features and tokens, fed as its data
+    pipeline aligns them (``shift_batch``: features of position t with token t + 1)."""
+    import torch
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig, Qwen3Config
+
+    variant = dict(EAGLE3_VARIANTS[name])
+    arch, window = variant.pop("arch"), variant.pop("sliding_window", None)
+    layer_fields = dict(TARGET, num_hidden_layers=1)
+    if window is not None:
+        layer_fields |= dict(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"])
+    layer_config = (Qwen3Config if arch == "qwen3" else LlamaConfig)(**layer_fields)
+    layer_config._attn_implementation = "eager"
+    verifier = VerifierConfig(name_or_path="tiny-verifier", architectures=["Qwen3ForCausalLM"])
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config, eagle_aux_hidden_state_layer_ids=AUX_LAYER_IDS, **variant,
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy", verifier=verifier,
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=TTT_STEPS)]))
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config).eval()
+    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
+    embedding = 0.2 * torch.randn(vocab, width)
+    draft_ids = torch.arange(vocab)
+    if model.use_draft_vocab:
+        draft_ids = torch.sort(torch.randperm(vocab)[:variant["draft_vocab_size"]]).values
+    randomize(model, embedding, draft_ids, variant["draft_vocab_size"])
+    out = FIXTURES / name
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "config.py").unlink()  # speculators' source, copied beside (see make)
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    features = torch.randn(1, SEQUENCE, len(AUX_LAYER_IDS) * width, generator=generator)
+    input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
+    logits = []
+    model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0]))
+    with torch.no_grad():
+        model(hidden_states=features[:, :-1], input_ids=input_ids[:, 1:],
+              document_ids=torch.zeros(1, SEQUENCE - 1, dtype=torch.long), ttt_steps=TTT_STEPS)
+    assert len(logits) == TTT_STEPS
+    result = {"features": features[0], "input_ids": input_ids[0], "embedding": embedding, "draft_ids": draft_ids,
+              "logits": torch.stack(logits)}
     return {key: value.numpy() for key, value in result.items()}
 
 
@@ -213,8 +285,11 @@ def main() -> int:
     for seed, name in enumerate(VARIANTS):
         outputs = make_zlab(seed) if name == "zlab" else make(name, seed)
         arrays |= {f"{name}/{key}": value for key, value in outputs.items()}
+    for seed, name in enumerate(EAGLE3_VARIANTS, start=len(VARIANTS)):
+        arrays |= {f"{name}/{key}": value for key, value in make_eagle3(name, seed).items()}
     np.savez_compressed(GOLDEN, **arrays)
-    written = {name: FIXTURES / name for name in VARIANTS if name != "zlab"} | {"zlab": ZLAB_FIXTURE}
+    written = ({name: FIXTURES / name for name in [*VARIANTS, *EAGLE3_VARIANTS] if name != "zlab"}
+               | {"zlab": ZLAB_FIXTURE})
     print(json.dumps({name: sorted(p.name for p in directory.iterdir()) for name, directory in written.items()}))
     return 0
 

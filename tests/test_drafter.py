@@ -297,8 +297,14 @@ def test_config_validation():
         DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, markov_head="none")
     with pytest.raises(ValueError, match="unknown DrafterConfig keys"):
         DrafterConfig.from_dict({**make()[0].to_dict(), "gamma": 7})
-    with pytest.raises(ValueError, match="the EAGLE-3 drafter attends over its whole sequence"):
-        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, sliding_window=64)
+    with pytest.raises(ValueError, match="eagle3_feature_norm, eagle3_norm_output shape an EAGLE-3 drafter's layer, "
+                                         "not a dspark one"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, eagle3_feature_norm="joint",
+                                 eagle3_norm_output=True)
+    with pytest.raises(ValueError, match="eagle3_feature_norm must be one of"):
+        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, eagle3_feature_norm="both")
+    with pytest.raises(ValueError, match="eagle3_norm_output must be true or false"):
+        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, eagle3_norm_output="yes")
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
 

@@ -1,5 +1,7 @@
 """EAGLE-3 baseline: the TTT training pass equals step-by-step cached inference (spec §8.2)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,51 @@ def test_shapes(setup):
 @pytest.mark.parametrize("t", [0, 4, 6])
 def test_ttt_steps_equal_cached_autoregressive_inference(setup, t):
     cfg, model, embed, feats, tokens, hidden = setup
+    ttt_equals_cached(model, embed, feats, tokens, hidden, t)
+
+
+# speculators' EAGLE-3 options (checkpoints.speculators reads them): a sliding window of 3
+# positions, shorter than the TTT steps' reach, and every norm variant.
+VARIANTS = {
+    "speculators_defaults": dict(eagle3_feature_norm="joint", eagle3_norm_before_residual=True,
+                                 eagle3_norm_output=True, sliding_window=3),
+    "per_layer_norms": dict(eagle3_feature_norm="per_layer", sliding_window=2),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_speculators_variants_train_as_they_draft(variant):
+    """Each variant's TTT pass equals cached inference step by step (the window counts positions
+    in both), every parameter gets a gradient, and the window and norms change the output."""
+    cfg = DrafterConfig.eagle3(tiny_config(qk_norm=True, num_layers=4), tap_layers=(0, 2), mask_token_id=5,
+                               block_size=4, **VARIANTS[variant])
+    model = Eagle3Drafter(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    # Norm weights away from 1, so that a norm applied in the wrong place shows.
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.PRNGKey(9), p.shape), params)
+    model = nnx.merge(graphdef, params)
+    embed = jax.random.normal(jax.random.PRNGKey(1), (cfg.vocab_size, cfg.hidden_size))
+    feats = jax.random.normal(jax.random.PRNGKey(2), (1, SEQ, cfg.context_size))
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (1, SEQ), 0, cfg.vocab_size)
+    hidden = model.forward_train(embed, feats, tokens)
+    for t in (0, 3, 5):
+        ttt_equals_cached(model, embed, feats, tokens, hidden, t)
+    grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).logits(
+        nnx.merge(graphdef, p).forward_train(embed, feats, tokens), embed) ** 2))(params)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+    # The same weights with one option off: another output (the golden tests in test_speculators
+    # check each against speculators' own forward).
+    for option, off in (("sliding_window", None), ("eagle3_norm_before_residual", False), ("eagle3_norm_output", False)):
+        if getattr(cfg, option) != off:
+            other = Eagle3Drafter(dataclasses.replace(cfg, **{option: off}), rngs=nnx.Rngs(0))
+            nnx.update(other, nnx.state(model))
+            assert np.abs(np.asarray(other.forward_train(embed, feats, tokens) - hidden)).max() > 1e-3, option
+
+
+def ttt_equals_cached(model, embed, feats, tokens, hidden, t):
+    """The TTT pass's step-k output at index t is cached inference's k-th proposal step after
+    committing positions 0..t."""
     cache = model.new_cache(1, 32)
     g = model.project_features(feats[:, : t + 1])
     out, cache = model.forward_cached(g, tokens[:, 1 : t + 2], embed, cache)

@@ -1,4 +1,5 @@
-"""Drafters speculators trained (its ``DSparkDraftModel`` and ``DFlashDraftModel`` checkpoints) draft as it computes.
+"""Drafters speculators trained (its ``DSparkDraftModel``, ``DFlashDraftModel`` and ``Eagle3DraftModel``
+checkpoints) draft as it computes.
 
 ``tests/fixtures/tiny_speculators/<variant>/`` were saved by speculators' own model class and
 ``tests/goldens/tiny_speculators.npz`` holds what its training forward computed on them
@@ -121,27 +122,109 @@ def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     assert got.tokens == want.tokens
 
 
+# (γ, draft_vocab_size, qk_norm, sliding_window, eagle3_feature_norm, norm_before_residual, norm_output)
+EAGLE3 = {"eagle3": (3, 61, True, None, "none", False, False),
+          "eagle3_trained": (3, 97, False, 8, "joint", True, True),
+          "eagle3_fc_norm": (3, 61, True, None, "per_layer", False, False)}
+
+
+@pytest.mark.parametrize("name", EAGLE3)
+def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
+    """The logits of each training-time-test step against speculators' own training forward on
+    the same features and tokens (features of position t with token t + 1, as its data pipeline
+    aligns them), over its draft vocabulary (all 97 tokens, its own head, for ``eagle3_trained``).
+    ``eagle3_trained`` windows 8 positions: its step 0 is compared everywhere, so the window is
+    checked where speculators and vLLM agree; a later step k only at t < 8 - k, because past
+    there speculators' training forward windows by index where decoding (vLLM's, and ours, in
+    training too) windows by position (``checkpoints.speculators``)."""
+    drafter = load_drafter(FIXTURES / name, target=its_target(name))
+    cfg = drafter.cfg
+    assert (cfg.kind, cfg.tap_layers, cfg.markov_head, cfg.confidence_head) == ("eagle3", (0, 2), "none", False)
+    assert (cfg.block_size, cfg.draft_vocab_size, cfg.backbone.qk_norm, cfg.sliding_window, cfg.eagle3_feature_norm,
+            cfg.eagle3_norm_before_residual, cfg.eagle3_norm_output) == EAGLE3[name]
+    np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
+    embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
+    features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
+    hidden = drafter.forward_train(embed, jnp.asarray(features)[None], jnp.asarray(ids)[None])
+    logits = np.asarray(drafter.logits(hidden, embed))[:, 0, : len(ids) - 1]
+    want = GOLDEN[f"{name}/logits"]
+    assert logits.shape == want.shape == (3, len(ids) - 1, cfg.draft_vocab_size)
+    for k in range(cfg.block_size):
+        agree = slice(None) if k == 0 or cfg.sliding_window is None else slice(cfg.sliding_window - k)
+        np.testing.assert_allclose(logits[k, agree], want[k, agree], atol=5e-5, err_msg=f"step {k}")
+
+
+@pytest.mark.parametrize("name", EAGLE3)
+def test_a_speculators_eagle3_drafter_decodes_its_target_losslessly(name):
+    """Greedy, running past ``eagle3_trained``'s 8-position window."""
+    target = its_target(name)
+    drafter = load_drafter(FIXTURES / name, target=target)
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
+    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12)
+    assert got.tokens == want.tokens
+
+
+def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_path):
+    refusals = [
+        (dict(eagle_aux_hidden_state_layer_ids=None), "eagle_aux_hidden_state_layer_ids is not set: the tapped layers "
+                                                      r"then depend on the verifier's depth n \(vLLM takes"),
+        (dict(eagle_aux_hidden_state_layer_ids=[0, 3]), r"eagle_aux_hidden_state_layer_ids has 0 \(the target's "
+                                                        r"embedding output\)"),
+        (dict(embed_requires_grad=True), "embed_requires_grad is true: the drafter trained its own token embedding"),
+        (dict(fc_norm=True), "norm_before_fc and fc_norm are both true"),
+        (dict(norm_output="yes"), "norm_output is 'yes', not true or false"),
+        (dict(layers=dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2)),
+         "layer_types .*: dspark-jax's EAGLE-3 drafter has one layer"),
+        (dict(layers=dict(num_hidden_layers=2, layer_types=None)), "an EAGLE-3 drafter of 2 layers; dspark-jax's "
+                                                                    "EAGLE-3 drafter has one"),
+        (dict(layers=dict(sliding_window=None)), "sliding_window.*the checkpoint is damaged"),
+        (dict(speculators_config=dict(default_proposal_method="tree")), "no 'tree' proposal method with "
+                                                                         "speculative_tokens: the checkpoint is damaged"),
+        (dict(draft_vocab_size=None), "a speculators eagle3 config without draft_vocab_size: the checkpoint is damaged"),
+        (dict(layers=dict(attention_bias=True)), "transformer_layer_config: .*attention_bias=true"),
+    ]
+    for edit, message in refusals:
+        with pytest.raises(ValueError, match=message):
+            load_drafter(damaged(tmp_path, "eagle3_trained", edit), target=its_target("eagle3_trained"))
+    for change, message in ((dict(drop="input_norm.weight"), r"missing \['input_norm.weight'\]"),
+                            (dict(drop="lm_head.weight"), r"missing \['lm_head.weight'\]")):
+        with pytest.raises(ValueError, match=message):
+            load_drafter(damaged(tmp_path, "eagle3_trained", **change), target=its_target("eagle3_trained"))
+    # Full attention when the layer's type says so, whatever its window field holds.
+    full = load_drafter(damaged(tmp_path, "eagle3_trained", dict(layers=dict(layer_types=["full_attention"]))))
+    assert full.cfg.sliding_window is None
+
+
+def damaged(tmp_path, name: str, edit_config=None, drop=None, add=None) -> Path:
+    """A copy of fixture ``name`` with config entries changed (``None`` deletes one; ``layers``
+    and ``speculators_config`` update those nested objects) and tensors dropped or added."""
+    directory = shutil.copytree(FIXTURES / name, tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in (edit_config or {}).items():
+        if key in ("layers", "speculators_config"):
+            nested = config["transformer_layer_config" if key == "layers" else key]
+            nested |= value
+        elif value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    if drop or add:
+        tensors = load_file(str(directory / "model.safetensors"))
+        tensors.pop(drop, None)
+        tensors |= add or {}
+        save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
 def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_path):
-    def damaged(edit_config=None, drop=None, add=None) -> Path:
-        directory = shutil.copytree(FIXTURES / "gated", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
-        config = json.loads((directory / "config.json").read_text())
-        for key, value in (edit_config or {}).items():
-            if key == "layers":
-                config["transformer_layer_config"] |= value
-            elif value is None:
-                del config[key]
-            else:
-                config[key] = value
-        (directory / "config.json").write_text(json.dumps(config))
-        if drop or add:
-            tensors = load_file(str(directory / "model.safetensors"))
-            tensors.pop(drop, None)
-            tensors |= add or {}
-            save_file(tensors, str(directory / "model.safetensors"))
-        return directory
+    def damaged_dspark(edit_config=None, drop=None, add=None) -> Path:
+        return damaged(tmp_path, "gated", edit_config, drop, add)
 
     refusals = [
-        (dict(speculators_model_type="eagle3"), "a speculators eagle3 drafter; this reads speculators' DSpark and DFlash"),
+        (dict(speculators_model_type="mtp"), "a speculators mtp drafter; this reads speculators' DSpark, DFlash and "
+                                             "EAGLE-3 drafters"),
         (dict(sample_from_anchor="no"), "sample_from_anchor is 'no', not true or false"),
         (dict(sample_from_anchor=False, block_size=1), "block_size 1 with sample_from_anchor false drafts nothing"),
         (dict(markov_rank=None), "a speculators dspark config without markov_rank: the checkpoint is damaged"),
@@ -155,7 +238,7 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
     ]
     for edit, message in refusals:
         with pytest.raises(ValueError, match=message):
-            load_drafter(damaged(edit), target=its_target())
+            load_drafter(damaged_dspark(edit), target=its_target())
     tensors = [
         (dict(drop="d2t"), r"missing \['d2t'\]"),
         (dict(drop="lm_head.weight"), r"missing \['lm_head.weight'\]"),
@@ -165,14 +248,14 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
     ]
     for change, message in tensors:
         with pytest.raises(ValueError, match=message):
-            load_drafter(damaged(**change), target=its_target())
+            load_drafter(damaged_dspark(**change), target=its_target())
     with pytest.raises(ValueError, match="hidden_size: drafter 64, target 32"):
         load_drafter(FIXTURES / "gated", target=tiny_target(**{**SHAPE, "hidden_size": 32, "head_dim": 8}))
     # An export from before speculators had sample_from_anchor used DFlash's layout.
-    older = load_drafter(damaged(dict(sample_from_anchor=None)), target=its_target())
+    older = load_drafter(damaged_dspark(dict(sample_from_anchor=None)), target=its_target())
     assert (older.cfg.draft_from_anchor, older.cfg.block_size, older.cfg.block_slots) == (False, 3, 4)
     # The verifier's own weights, which speculators may leave in a checkpoint, are not the drafter's.
-    verifier = damaged(add={"verifier_norm.weight": np.ones(64, np.float32)})
+    verifier = damaged_dspark(add={"verifier_norm.weight": np.ones(64, np.float32)})
     assert load_drafter(verifier, target=its_target()).cfg.draft_vocab_size == 61
 
 
@@ -196,3 +279,10 @@ def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, caps
     with pytest.raises(SystemExit, match=r"--drafter .*: .*holds no drafter DeepSpec or speculators saved"):
         cli.main(["convert", "--drafter", str(out), "--out", str(tmp_path / "again")])
     assert not (tmp_path / "again").exists()
+    # An EAGLE-3 one keeps its options and its own full-vocabulary head.
+    eagle3 = tmp_path / "eagle3"
+    assert cli.main(["convert", "--drafter", str(FIXTURES / "eagle3_trained"), "--out", str(eagle3)]) == 0
+    converted, original = load_drafter(eagle3), load_drafter(FIXTURES / "eagle3_trained")
+    assert converted.cfg == original.cfg and converted.cfg.sliding_window == 8
+    for name, value in drafter_tensors(original).items():
+        np.testing.assert_array_equal(drafter_tensors(converted)[name], value, err_msg=name)

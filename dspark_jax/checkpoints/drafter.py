@@ -409,7 +409,7 @@ def convert_drafter(directory, out, *, storage_dtype: str = "float32") -> Path:
     if reader is None:
         _checkpoint_dir(directory)  # a missing directory or config is named as such
         raise ValueError(f"{directory} holds no drafter DeepSpec or speculators saved (a Qwen3DSparkModel, or a "
-                         "speculators DSpark or DFlash config.json)")
+                         "speculators DSpark, DFlash or EAGLE-3 config.json)")
     raw = reader.read_config(directory)[1]
     metadata = {"converted_from": str(directory.resolve()), f"{reader.NAME}_config": raw}
     return save_drafter(load_drafter(directory), out, storage_dtype=storage_dtype, metadata=metadata,

@@ -1,5 +1,5 @@
-"""DSpark and DFlash drafters trained with speculators (``vllm-project/speculators``, whose
-checkpoints vLLM serves): ``DSparkDraftModel`` and ``DFlashDraftModel`` checkpoints, read as
+"""Drafters trained with speculators (``vllm-project/speculators``, whose checkpoints vLLM
+serves): ``DSparkDraftModel``, ``DFlashDraftModel`` and ``Eagle3DraftModel`` checkpoints, read as
 dspark-jax drafters.
 
 speculators saves a drafter with transformers' ``save_pretrained``: ``config.json`` (its
@@ -25,8 +25,21 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   but its width, vocabulary and the verifier's name (``speculators_config.verifier``): a target of
   the same shape is not refused (``trained_for`` gives None).
 
-Refused by name: speculators' other drafters (EAGLE-3, MTP, ...), a tap of the embedding output
-(layer id 0), sliding-window draft layers, attention biases and a draft width other than the
+EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
+ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
+with ``d2t``; with the full vocabulary its ``lm_head`` is still its own, as vLLM reads it) and
+draft as many tokens as the default proposal method's ``speculative_tokens``. Their one draft
+layer takes speculators' options: ``norm_before_fc`` or ``fc_norm`` (the features' norms before
+``fc``), ``norm_before_residual``, ``norm_output`` and a sliding-window layer (``layer_types``
+["sliding_attention"], speculators' training default), read as our ``eagle3_*`` fields and
+``sliding_window``. speculators' training forward windows a later training-time step's query by
+its index, not its position; decoding here windows by position, as a KV cache sees it (the two
+differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
+
+Refused by name: speculators' other drafters (MTP, ...), a tap of the embedding output (layer id
+0), an EAGLE-3 drafter without its layer ids (vLLM then takes the verifier's layers 2, n/2 and
+n - 3), of more than one layer or that trained its own embedding (``embed_requires_grad``),
+sliding-window DSpark and DFlash layers, attention biases and a draft width other than the
 target's.
 """
 
@@ -53,17 +66,21 @@ VERIFIER_TENSORS = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_
 REQUIRED = ("transformer_layer_config", "block_size", "mask_token_id", "aux_hidden_state_layer_ids",
             "draft_vocab_size")
 MODEL_TYPES = {"dspark": ("markov_rank", "enable_confidence_head"), "dflash": ()}  # what each adds
+EAGLE3 = "eagle3"
+# The sliding-window fields of an EAGLE-3 draft layer's config, read here rather than by the HF
+# config reader (which refuses sliding windows, as targets have none).
+SLIDING_FIELDS = ("layer_types", "sliding_window", "use_sliding_window")
 
 
 def claims(directory) -> bool:
     """Whether ``directory`` holds a drafter speculators saved (of any kind: ``read_config``
-    reads its DSpark and DFlash drafters and refuses the others by name)."""
+    reads its DSpark, DFlash and EAGLE-3 drafters and refuses the others by name)."""
     raw = read_config_json(directory)
     return raw is not None and "speculators_model_type" in raw
 
 
 def read_config(directory) -> tuple[DrafterConfig, dict]:
-    """The ``DrafterConfig`` of a speculators DSpark or DFlash checkpoint and its whole ``config.json``."""
+    """The ``DrafterConfig`` of a speculators DSpark, DFlash or EAGLE-3 checkpoint and its whole ``config.json``."""
     path = Path(directory) / CONFIG_FILE
     raw = read_config_json(directory)
 
@@ -71,8 +88,11 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
         return ValueError(f"{path}: {reason}")
 
     kind = raw.get("speculators_model_type")
+    if kind == EAGLE3:
+        return _eagle3_config(raw, refuse), raw
     if kind not in MODEL_TYPES:
-        raise refuse(f"a speculators {kind} drafter; this reads speculators' DSpark and DFlash drafters and DeepSpec's")
+        raise refuse(f"a speculators {kind} drafter; this reads speculators' DSpark, DFlash and EAGLE-3 drafters and "
+                     "DeepSpec's")
     missing = [key for key in REQUIRED + MODEL_TYPES[kind] if raw.get(key) is None]
     if missing:
         raise refuse(f"a speculators {kind} config without {', '.join(missing)}: the checkpoint is damaged")
@@ -89,41 +109,141 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
         rank = as_int(raw.get("markov_rank", 0), "markov_rank")
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
-    if 0 in layer_ids:
-        raise refuse("aux_hidden_state_layer_ids has 0 (the target's embedding output), which dspark-jax drafters "
-                     "do not tap")
-    backbone = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
-    width = raw.get("target_hidden_size")
-    if width is not None and width != backbone.hidden_size:
-        raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
-                     "drafters are as wide as their target")
+    taps = _taps(layer_ids, "aux_hidden_state_layer_ids", refuse)
+    backbone = _draft_layers(raw, layers, refuse)
     if not from_anchor and slots < 2:
         raise refuse(f"block_size {slots} with sample_from_anchor false drafts nothing")
     confidence = bool(raw.get("enable_confidence_head", False))
     return drafter_config(
-        backbone, taps=tuple(i - 1 for i in layer_ids), mask_token_id=mask,
+        backbone, taps=taps, mask_token_id=mask,
         block_size=slots if from_anchor else slots - 1, draft_from_anchor=from_anchor, markov_rank=rank,
         markov_head_type=raw.get("markov_head_type", "vanilla"), confidence_head=confidence,
         confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
         draft_vocab_size=draft_vocab if draft_vocab != backbone.vocab_size else None, refuse=refuse), raw
 
 
+def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
+    """Our taps for speculators' layer ids (transformers' hidden-state numbering)."""
+    if 0 in layer_ids:
+        raise refuse(f"{key} has 0 (the target's embedding output), which dspark-jax drafters do not tap")
+    return tuple(i - 1 for i in layer_ids)
+
+
+def _draft_layers(raw: dict, layers: dict, refuse):
+    """The draft layers' shape from ``transformer_layer_config``, as wide as the target."""
+    backbone = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
+    width = raw.get("target_hidden_size")
+    if width is not None and width != backbone.hidden_size:
+        raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
+                     "drafters are as wide as their target")
+    return backbone
+
+
+def _eagle3_config(raw: dict, refuse) -> DrafterConfig:
+    """Our ``DrafterConfig`` of a speculators ``Eagle3DraftModel``."""
+    missing = [key for key in ("transformer_layer_config", "draft_vocab_size") if raw.get(key) is None]
+    if missing:
+        raise refuse(f"a speculators eagle3 config without {', '.join(missing)}: the checkpoint is damaged")
+    if raw.get("eagle_aux_hidden_state_layer_ids") is None:
+        raise refuse("eagle_aux_hidden_state_layer_ids is not set: the tapped layers then depend on the verifier's "
+                     "depth n (vLLM takes its hidden states 2, n // 2 and n - 3); write them into the config")
+    for flag in ("embed_requires_grad", "norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
+        if not isinstance(raw.get(flag, False), bool):
+            raise refuse(f"{flag} is {raw[flag]!r}, not true or false: the checkpoint is damaged")
+    if raw.get("embed_requires_grad", False):
+        raise refuse("embed_requires_grad is true: the drafter trained its own token embedding, and dspark-jax's "
+                     "EAGLE-3 drafter embeds with its target's")
+    if raw.get("norm_before_fc", False) and raw.get("fc_norm", False):
+        raise refuse("norm_before_fc and fc_norm are both true, which speculators does not allow: the checkpoint "
+                     "is damaged")
+    layers = raw["transformer_layer_config"]
+    if not isinstance(layers, dict):
+        raise refuse(f"transformer_layer_config is {layers!r}, not the draft layer's config: the checkpoint is damaged")
+    kinds = layers.get("layer_types") or ["full_attention"]
+    if kinds not in (["full_attention"], ["sliding_attention"]):
+        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's EAGLE-3 drafter has one layer, of "
+                     "full or sliding-window attention")
+    try:
+        layer_ids = as_ints(raw["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids")
+        draft_vocab = as_int(raw["draft_vocab_size"], "draft_vocab_size")
+        gamma = _speculative_tokens(raw.get("speculators_config"))
+        window = (as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
+                  if kinds == ["sliding_attention"] else None)
+    except (TypeError, ValueError) as error:
+        raise refuse(f"{error}: the checkpoint is damaged") from None
+    taps = _taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
+    backbone = _draft_layers(raw, {k: v for k, v in layers.items() if k not in SLIDING_FIELDS}, refuse)
+    if backbone.num_layers != 1:
+        raise refuse(f"an EAGLE-3 drafter of {backbone.num_layers} layers; dspark-jax's EAGLE-3 drafter has one")
+    feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
+    try:
+        return DrafterConfig(
+            backbone=backbone, tap_layers=taps, kind="eagle3", block_size=gamma, sliding_window=window,
+            mask_token_id=0,  # EAGLE-3 drafts without a mask token
+            markov_head="none", confidence_head=False, confidence_with_markov=False,
+            ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0, draft_vocab_size=draft_vocab,
+            eagle3_feature_norm=feature_norm, eagle3_norm_before_residual=raw.get("norm_before_residual", False),
+            eagle3_norm_output=raw.get("norm_output", False))
+    except ValueError as error:
+        raise refuse(f"holds no drafter dspark-jax can build: {error}") from None
+
+
+def _speculative_tokens(speculators_config) -> int:
+    """γ: the draft tokens of the config's default proposal method, as vLLM reads it."""
+    if not isinstance(speculators_config, dict):
+        raise ValueError("no speculators_config (its proposal methods say how many tokens to draft)")
+    default = speculators_config.get("default_proposal_method")
+    methods = [m for m in speculators_config.get("proposal_methods") or []
+               if isinstance(m, dict) and m.get("proposal_type") == default]
+    if not methods or "speculative_tokens" not in methods[0]:
+        raise ValueError(f"speculators_config has no {default!r} proposal method with speculative_tokens")
+    return as_int(methods[0]["speculative_tokens"], "speculative_tokens")
+
+
+def _eagle3_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
+    """Every tensor of our EAGLE-3 drafter -> the speculators tensors it is made of."""
+    layer = "layers.0."
+    sources = {
+        "fc.weight": ("fc.weight",),
+        "embed_norm.weight": (layer + "input_layernorm.weight",),
+        "hidden_norm.weight": (layer + "hidden_norm.weight",),
+        "qkv.weight": tuple(f"{layer}self_attn.{x}_proj.weight" for x in "qkv"),
+        "o.weight": (layer + "self_attn.o_proj.weight",),
+        "post_attn_norm.weight": (layer + "post_attention_layernorm.weight",),
+        "mlp.gate_up.weight": (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
+        "mlp.down.weight": (layer + "mlp.down_proj.weight",),
+        "final_norm.weight": ("norm.weight",),
+        "draft_head.linear.weight": ("lm_head.weight",),
+    }
+    if cfg.backbone.qk_norm:
+        sources |= {f"{x}_norm.weight": (f"{layer}self_attn.{x}_norm.weight",) for x in "qk"}
+    if cfg.eagle3_feature_norm == "joint":
+        sources["feature_norms.0.weight"] = ("input_norm.weight",)
+    elif cfg.eagle3_feature_norm == "per_layer":
+        sources |= {f"feature_norms.{i}.weight": (f"fc_norm.{i}.weight",) for i in range(len(cfg.tap_layers))}
+    return sources
+
+
 def read_drafter(directory, cfg: DrafterConfig):
     """``(cfg, tensors)``: a speculators checkpoint's drafter config (``read_config``'s) and our
-    drafter's tensors by state path (float32; a reduced vocabulary's target ids as
-    ``draft_head.d2t``)."""
+    drafter's tensors by state path (float32; a reduced head's target ids as ``draft_head.d2t``)."""
     from dspark_jax.checkpoints.drafter import D2T
 
-    sources = tensor_sources(cfg)
-    if cfg.draft_vocab_size is None:  # the target's head; vocabulary maps, where saved, are the identity
-        ignored, integers = [*VERIFIER_TENSORS, "lm_head.weight", "d2t", "t2d"], ()
-    else:
-        sources["draft_head.linear.weight"] = ("lm_head.weight",)
-        ignored, integers = [*VERIFIER_TENSORS, "t2d"], ("d2t",)
+    if cfg.kind == EAGLE3:  # its own head, whatever its vocabulary
+        sources = _eagle3_sources(cfg)
+    else:  # its own head over a reduced vocabulary; else the target's
+        sources = tensor_sources(cfg)
+        if cfg.draft_vocab_size is not None:
+            sources["draft_head.linear.weight"] = ("lm_head.weight",)
+    # Vocabulary maps matter for a reduced vocabulary only; over all tokens, where saved, they are the identity.
+    mapped = cfg.draft_vocab_size is not None and cfg.draft_vocab_size < cfg.vocab_size
+    ignored = [*VERIFIER_TENSORS, "t2d", *([] if mapped else ["d2t"]),
+               *([] if "draft_head.linear.weight" in sources else ["lm_head.weight"])]
     cfg, tensors = read_sources(directory, cfg, sources, ignored=ignored, described=f"speculators {cfg.kind} drafter",
-                                integers=integers)
+                                integers=("d2t",) if mapped else ())
     if cfg.draft_vocab_size is not None:
-        tensors[D2T] = (np.arange(cfg.draft_vocab_size) + tensors.pop("d2t")).astype(np.int32)  # as saved here
+        offsets = tensors.pop("d2t") if mapped else 0
+        tensors[D2T] = (np.arange(cfg.draft_vocab_size) + offsets).astype(np.int32)  # as saved here
     return cfg, tensors
 
 

@@ -9,6 +9,11 @@ Training unrolls γ "training-time test" steps in one pass per step: at step k a
 t sees the step-0 keys at positions ``<= t`` and its own keys from steps 1..k (the SpecForge
 TTT mask), with RoPE positions offset by k. Inference runs the same layer causally over a
 KV cache: the committed (feature, next-token) pairs, then one proposal step per draft token.
+
+speculators' variants (``DrafterConfig.eagle3_*``, read from its checkpoints) add RMSNorms on the
+features before ``fc``, start the residual stream from the normed ``g_t``, feed the final norm's
+output back as the next step's ``g`` (and to the head, without a second norm), and may limit the
+attention to a sliding window of positions.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         self.cfg = cfg
         d = b.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
+        # speculators' variants RMS-normalise the features before fc: all at once, or each tapped layer's.
+        chunks = {"none": 0, "joint": 1, "per_layer": len(cfg.tap_layers)}[cfg.eagle3_feature_norm]
+        self.feature_norms = nnx.List(
+            [RMSNorm(cfg.context_size // chunks, b.rms_norm_eps, dtype) for _ in range(chunks)]
+        )
         self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype)
         self.embed_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(d, b.rms_norm_eps, dtype)
@@ -75,10 +85,16 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         b = self.cfg.backbone
         return rope_cos_sin(positions, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
 
-    def _qkv(self, g_BxTxD, e_BxTxD, positions_BxT):
-        batch, steps, _ = g_BxTxD.shape
-        x = jnp.concatenate([self.embed_norm(e_BxTxD), self.hidden_norm(g_BxTxD)], axis=-1)
-        qkv = self.qkv(x).reshape(batch, steps, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+    def _layer_input(self, g_BxTxD, e_BxTxD):
+        """The attention's input ``[RMSNorm(e) ; RMSNorm(g)]`` and where the residual stream starts:
+        ``g``, or its normed copy with ``eagle3_norm_before_residual``."""
+        normed = self.hidden_norm(g_BxTxD)
+        residual = normed if self.cfg.eagle3_norm_before_residual else g_BxTxD
+        return jnp.concatenate([self.embed_norm(e_BxTxD), normed], axis=-1), residual
+
+    def _qkv(self, x_BxTx2D, positions_BxT):
+        batch, steps, _ = x_BxTx2D.shape
+        qkv = self.qkv(x_BxTx2D).reshape(batch, steps, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q = qkv[:, :, : self.num_heads]
         k = qkv[:, :, self.num_heads : self.num_heads + self.num_kv_heads]
         v = qkv[:, :, self.num_heads + self.num_kv_heads :]
@@ -87,21 +103,26 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         cos, sin = self._rope(positions_BxT)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _finish(self, g_BxTxD, attn_BxTxHxD):
+    def _finish(self, residual_BxTxD, attn_BxTxHxD):
+        """The layer's output: the next step's hidden state (normed with ``eagle3_norm_output``)."""
         batch, steps = attn_BxTxHxD.shape[:2]
-        x = g_BxTxD + self.o(attn_BxTxHxD.reshape(batch, steps, -1))
-        return x + self.mlp(self.post_attn_norm(x))
+        x = residual_BxTxD + self.o(attn_BxTxHxD.reshape(batch, steps, -1))
+        x = x + self.mlp(self.post_attn_norm(x))
+        return self.final_norm(x) if self.cfg.eagle3_norm_output else x
 
     def project_features(self, features_BxTxF):
+        if self.feature_norms:
+            chunks = jnp.split(features_BxTxF, len(self.feature_norms), axis=-1)
+            features_BxTxF = jnp.concatenate([norm(c) for norm, c in zip(self.feature_norms, chunks)], axis=-1)
         return self.fc(features_BxTxF)
 
     def logits(self, hidden_BxTxD, lm_head_VxD):
         """Logits over the draft vocabulary: the reduced head, or the frozen target head (both
-        after the trainable final norm)."""
+        after the trainable final norm, which ``eagle3_norm_output`` hidden states have had)."""
+        normed = hidden_BxTxD if self.cfg.eagle3_norm_output else self.final_norm(hidden_BxTxD)
         if self.draft_head is not None:
-            return self.draft_head(self.final_norm(hidden_BxTxD))
-        head = jax.lax.stop_gradient(lm_head_VxD)
-        return project(self.final_norm(hidden_BxTxD), head).astype(jnp.float32)
+            return self.draft_head(normed)
+        return project(normed, jax.lax.stop_gradient(lm_head_VxD)).astype(jnp.float32)
 
     # ---------------------------------------------------------------------------------------
     # training: γ TTT steps
@@ -118,30 +139,38 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         embed = jax.lax.stop_gradient(embed_VxD)
         g = self.project_features(features_BxSxF)
         positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-        causal_SxS = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]
+        index = jnp.arange(seq)
+        causal_SxS = index[None, :] <= index[:, None]
+        window = self.cfg.sliding_window
         groups = self.num_heads // self.num_kv_heads
         outputs, diag_keys, diag_values = [], [], []
         for k in range(steps):
             shifted = jnp.concatenate(
                 [tokens_BxS[:, k + 1 :], jnp.zeros((batch, k + 1), tokens_BxS.dtype)], axis=1
             )
-            q, key, value = self._qkv(g, jnp.take(embed, shifted, axis=0), positions + k)
+            x, residual = self._layer_input(g, jnp.take(embed, shifted, axis=0))
+            q, key, value = self._qkv(x, positions + k)
             if k == 0:
                 base_k, base_v = key, value
             else:
                 diag_keys.append(key)
                 diag_values.append(value)
+            # A sliding window counts positions, as cached inference sees them: the query at t + k
+            # sees step-0 keys after t + k - window and its own keys of steps j > k - window.
+            # (speculators' training forward windows the step-0 keys by the index t instead.)
+            visible_SxS = causal_SxS if window is None else causal_SxS & (index[None, :] > index[:, None] + k - window)
+            own = [j for j in range(k) if window is None or j + 1 > k - window]  # diag_keys[j]: step j + 1's
             qg = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
             scale = self.head_dim**-0.5
             base = jnp.einsum("btkgd,bskd->btkgs", qg, base_k).astype(jnp.float32) * scale
-            base = jnp.where(causal_SxS[None, :, None, None, :], base, MASK_VALUE)
+            base = jnp.where(visible_SxS[None, :, None, None, :], base, MASK_VALUE)
             # Own keys of steps 1..k: one extra score per step, at the same index t.
-            diag = [jnp.einsum("btkgd,btkd->btkg", qg, dk).astype(jnp.float32)[..., None] * scale for dk in diag_keys]
+            diag = [jnp.einsum("btkgd,btkd->btkg", qg, diag_keys[j]).astype(jnp.float32)[..., None] * scale for j in own]
             probs = jax.nn.softmax(jnp.concatenate([base, *diag], axis=-1), axis=-1)
             out = jnp.einsum("btkgs,bskd->btkgd", probs[..., :seq], base_v)
-            for j, dv in enumerate(diag_values):
-                out = out + probs[..., seq + j, None] * dv[:, :, :, None, :]
-            g = self._finish(g, out.reshape(batch, seq, self.num_heads, self.head_dim))
+            for column, j in enumerate(own):
+                out = out + probs[..., seq + column, None] * diag_values[j][:, :, :, None, :]
+            g = self._finish(residual, out.reshape(batch, seq, self.num_heads, self.head_dim))
             outputs.append(g)
         return jnp.stack(outputs)
 
@@ -161,10 +190,11 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         batch, steps, _ = g_BxTxD.shape
         positions = cache.lengths_B[:, None] + jnp.arange(steps, dtype=jnp.int32)
         e = jnp.take(jax.lax.stop_gradient(embed_VxD), next_tokens_BxT, axis=0)
-        q, k, v = self._qkv(g_BxTxD, e, positions)
+        x, residual = self._layer_input(g_BxTxD, e)
+        q, k, v = self._qkv(x, positions)
         keys = write_cache(cache.keys[0], k, positions)
         values = write_cache(cache.values[0], v, positions)
-        hidden = self._finish(g_BxTxD, cached_attention(q, keys, values, positions))
+        hidden = self._finish(residual, cached_attention(q, keys, values, positions, self.cfg.sliding_window))
         n_new_B = jnp.full((batch,), steps, jnp.int32) if n_new_B is None else n_new_B
         return hidden, KVCache((keys,), (values,), cache.lengths_B + n_new_B.astype(jnp.int32))
 

@@ -133,12 +133,14 @@ def cached_attention(
     keys_BxSxKxD: jax.Array,
     values_BxSxKxD: jax.Array,
     positions_BxT: jax.Array,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of new queries over the whole static cache.
 
-    Query at absolute position p sees cache slots ``s <= p``; the new keys must already be
-    written. Slots past a row's length hold stale data from rolled-back steps and are masked by
-    the same rule, which is what makes rollback a matter of moving lengths.
+    Query at absolute position p sees cache slots ``s <= p`` (and ``s > p - window`` with a sliding
+    window); the new keys must already be written. Slots past a row's length hold stale data from
+    rolled-back steps and are masked by the same rule, which is what makes rollback a matter of
+    moving lengths.
     """
     batch, steps, num_heads, head_dim = q_BxTxHxD.shape
     num_kv = keys_BxSxKxD.shape[2]
@@ -147,6 +149,8 @@ def cached_attention(
     scores = scores / math.sqrt(head_dim)
     slots = jnp.arange(keys_BxSxKxD.shape[1])
     visible_BxTxS = slots[None, None, :] <= positions_BxT[:, :, None]
+    if window is not None:
+        visible_BxTxS &= slots[None, None, :] > positions_BxT[:, :, None] - window
     scores = jnp.where(visible_BxTxS[:, None, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(values_BxSxKxD.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, values_BxSxKxD)
