@@ -1,4 +1,5 @@
-"""Target-only generation on the real embedded SmolLM2 target; argument checks on a tiny one."""
+"""Target-only generation on the real embedded SmolLM2 target (its first 4 layers for what does not
+depend on depth: stopping, taps, sampling, compiling); argument checks on a tiny one."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,11 @@ from tests.tiny import tiny_target
 @pytest.fixture(scope="module")
 def generator(embedded_target):
     return AutoregressiveGenerator(embedded_target[0])
+
+
+@pytest.fixture(scope="module")
+def shallow_generator(shallow_target):
+    return AutoregressiveGenerator(shallow_target[0])
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +46,11 @@ def test_greedy_answer_is_sensible(generator, prompts, embedded_target):
     assert result.finish_reasons == ["stop"] and result.tokens[0][-1] == embedded_target[1].eos_token_id
 
 
-def test_stop_ids_end_each_row_where_they_occur(generator, prompts):
-    free = generator.generate(prompts, max_new_tokens=12, max_len=256)
+def test_stop_ids_end_each_row_where_they_occur(shallow_generator, prompts):
+    free = shallow_generator.generate(prompts, max_new_tokens=12, max_len=256)
     stop = free.tokens[1][4]  # row 1 stops at (the first occurrence of) its 5th token
     first = free.tokens[1].index(stop)
-    stopped = generator.generate(prompts, max_new_tokens=12, stop_ids=[stop], max_len=256)
+    stopped = shallow_generator.generate(prompts, max_new_tokens=12, stop_ids=[stop], max_len=256)
     assert stopped.tokens[1] == free.tokens[1][: first + 1]
     assert stopped.finish_reasons[1] == "stop"
     for row in (0, 2, 3):  # other rows continue unaffected (unless they also emit `stop`)
@@ -54,15 +60,15 @@ def test_stop_ids_end_each_row_where_they_occur(generator, prompts):
         assert stopped.tokens[row] == expected
 
 
-def test_taps_are_the_forward_over_prompt_and_answer(generator, prompts, embedded_target):
+def test_taps_are_the_forward_over_prompt_and_answer(shallow_generator, prompts, shallow_target):
     """With tap layers, every position of prompt + answer gets the tapped layers' outputs as one
     forward over the finished sequence computes them, including the last token of a row that
     stopped early and of the rows that ran to max_new_tokens, and the answers do not change."""
-    target = embedded_target[0]
-    layers = (2, 17, target.cfg.num_layers - 1)
-    free = generator.generate(prompts, max_new_tokens=10, max_len=256)
+    target = shallow_target[0]
+    layers = (0, 2, target.cfg.num_layers - 1)
+    free = shallow_generator.generate(prompts, max_new_tokens=10, max_len=256)
     stop = free.tokens[2][3]
-    plain = generator.generate(prompts, max_new_tokens=10, stop_ids=[stop], max_len=256)
+    plain = shallow_generator.generate(prompts, max_new_tokens=10, stop_ids=[stop], max_len=256)
     tapping = AutoregressiveGenerator(target, tap_layers=layers)
     result = tapping.generate(prompts, max_new_tokens=10, stop_ids=[stop], max_len=256)
     assert result.tokens == plain.tokens and plain.taps is None
@@ -70,7 +76,7 @@ def test_taps_are_the_forward_over_prompt_and_answer(generator, prompts, embedde
     assert any(len(t) == 10 for t in result.tokens)
     sequences = [list(prompt) + answer for prompt, answer in zip(prompts, result.tokens)]
     # One jitted forward over the right-padded rows: causal attention keeps padding out of every
-    # real position, and run eagerly the 30 layers would dispatch op by op (a minute on 2 cores).
+    # real position, and run eagerly the layers would dispatch op by op.
     width = max(map(len, sequences))
     padded = jnp.asarray([s + [0] * (width - len(s)) for s in sequences])
     forward = jax.jit(target.apply, static_argnames="tap_layers")
@@ -81,11 +87,11 @@ def test_taps_are_the_forward_over_prompt_and_answer(generator, prompts, embedde
         np.testing.assert_allclose(result.taps[row], whole.taps[row, : len(sequence)], rtol=1e-3, atol=1e-3)
 
 
-def test_no_recompilation_after_warmup(generator, prompts):
-    generator.warmup(len(prompts), max(len(p) for p in prompts), 256)
+def test_no_recompilation_after_warmup(shallow_generator, prompts):
+    shallow_generator.warmup(len(prompts), max(len(p) for p in prompts), 256)
     with count_compilations() as counter:
-        generator.generate(prompts, max_new_tokens=9, max_len=256, sampling=SamplingConfig(temperature=0.7))
-        generator.generate(
+        shallow_generator.generate(prompts, max_new_tokens=9, max_len=256, sampling=SamplingConfig(temperature=0.7))
+        shallow_generator.generate(
             [p[:-2] for p in prompts],
             max_new_tokens=5,
             max_len=256,
@@ -96,27 +102,27 @@ def test_no_recompilation_after_warmup(generator, prompts):
     assert counter.count == 0
 
 
-def test_compilation_counter_sees_new_shapes(generator, prompts):
+def test_compilation_counter_sees_new_shapes(shallow_generator, prompts):
     """The counter itself can fail: a new batch size compiles."""
     with count_compilations() as counter:
-        generator.generate(prompts[:3], max_new_tokens=2, max_len=384)
+        shallow_generator.generate(prompts[:3], max_new_tokens=2, max_len=384)
     assert counter.count > 0
 
 
-def test_sampling_is_reproducible_per_seed(generator, prompts):
+def test_sampling_is_reproducible_per_seed(shallow_generator, prompts):
     config = SamplingConfig(temperature=1.0, top_p=0.95)
-    a = generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[5, 6], max_len=256)
-    b = generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[5, 6], max_len=256)
-    c = generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[7, 8], max_len=256)
+    a = shallow_generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[5, 6], max_len=256)
+    b = shallow_generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[5, 6], max_len=256)
+    c = shallow_generator.generate(prompts[:2], max_new_tokens=12, sampling=config, seeds=[7, 8], max_len=256)
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens
     # A request's samples do not depend on its batch neighbours.
-    alone = generator.generate(prompts[1:2], max_new_tokens=12, sampling=config, seeds=[6], max_len=256)
+    alone = shallow_generator.generate(prompts[1:2], max_new_tokens=12, sampling=config, seeds=[6], max_len=256)
     assert alone.tokens[0] == a.tokens[1]
 
 
-def test_max_new_tokens_zero_returns_empty(generator, prompts):
-    result = generator.generate(prompts, max_new_tokens=0)
+def test_max_new_tokens_zero_returns_empty(shallow_generator, prompts):
+    result = shallow_generator.generate(prompts, max_new_tokens=0)
     assert result.tokens == [[]] * len(prompts) and result.finish_reasons == ["length"] * len(prompts)
 
 
@@ -133,10 +139,10 @@ def test_max_new_tokens_zero_returns_empty(generator, prompts):
         ([[1], [2]], dict(sampling=[SamplingConfig()]), "sampling configs"),
     ],
 )
-def test_bad_input_is_a_clear_error(generator, prompts_, kwargs, match):
+def test_bad_input_is_a_clear_error(shallow_generator, prompts_, kwargs, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
-        generator.generate(prompts_, **kwargs)
+        shallow_generator.generate(prompts_, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,8 +23,16 @@ def setup():
     embed = jax.random.normal(jax.random.PRNGKey(1), (cfg.vocab_size, cfg.hidden_size))
     feats = jax.random.normal(jax.random.PRNGKey(2), (1, SEQ, cfg.context_size))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, SEQ), 0, cfg.vocab_size)
-    hidden = model.forward_train(embed, feats, tokens)
+    hidden = train_forward(model)(embed, feats, tokens)
     return cfg, model, embed, feats, tokens, hidden
+
+
+def train_forward(model):
+    """``model.forward_train`` jitted, the weights as arguments (eagerly, every op of the TTT
+    steps would compile on its own)."""
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(lambda params, *args: nnx.merge(graphdef, params).forward_train(*args))
+    return lambda *args: forward(params, *args)
 
 
 def test_config_is_one_layer_autoregressive():
@@ -70,38 +78,54 @@ def test_speculators_variants_train_as_they_draft(variant):
     embed = jax.random.normal(jax.random.PRNGKey(1), (cfg.vocab_size, cfg.hidden_size))
     feats = jax.random.normal(jax.random.PRNGKey(2), (1, SEQ, cfg.context_size))
     tokens = jax.random.randint(jax.random.PRNGKey(3), (1, SEQ), 0, cfg.vocab_size)
-    hidden = model.forward_train(embed, feats, tokens)
-    for t in (0, 3, 5):
+
+    def forward(drafter_cfg):
+        """The TTT hidden states of this model's weights under ``drafter_cfg``."""
+        other = Eagle3Drafter(drafter_cfg, rngs=nnx.Rngs(0))
+        nnx.update(other, params)
+        return train_forward(other)(embed, feats, tokens)
+
+    hidden = forward(cfg)
+    for t in (0, 5):  # past the window at 5
         ttt_equals_cached(model, embed, feats, tokens, hidden, t)
-    grads = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p).logits(
-        nnx.merge(graphdef, p).forward_train(embed, feats, tokens), embed) ** 2))(params)
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+
+    def loss(params):
+        drafter = nnx.merge(graphdef, params)
+        return jnp.sum(drafter.logits(drafter.forward_train(embed, feats, tokens), embed) ** 2)
+
+    for path, g in jax.tree_util.tree_flatten_with_path(jax.jit(jax.grad(loss))(params))[0]:
         assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
     # The same weights with one option off: another output (the golden tests in test_speculators
     # check each against speculators' own forward).
     for option, off in (("sliding_window", None), ("eagle3_norm_before_residual", False), ("eagle3_norm_output", False)):
         if getattr(cfg, option) != off:
-            other = Eagle3Drafter(dataclasses.replace(cfg, **{option: off}), rngs=nnx.Rngs(0))
-            nnx.update(other, nnx.state(model))
-            assert np.abs(np.asarray(other.forward_train(embed, feats, tokens) - hidden)).max() > 1e-3, option
+            other = forward(dataclasses.replace(cfg, **{option: off}))
+            assert np.abs(np.asarray(other - hidden)).max() > 1e-3, option
 
 
 def ttt_equals_cached(model, embed, feats, tokens, hidden, t):
     """The TTT pass's step-k output at index t is cached inference's k-th proposal step after
-    committing positions 0..t."""
-    cache = model.new_cache(1, 32)
-    g = model.project_features(feats[:, : t + 1])
-    out, cache = model.forward_cached(g, tokens[:, 1 : t + 2], embed, cache)
-    np.testing.assert_allclose(out[0, t], hidden[0, 0, t], atol=2e-5, rtol=1e-5)
-    h = out[:, t : t + 1]
-    for k in range(1, STEPS):
-        h, cache = model.forward_cached(h, tokens[:, t + 1 + k : t + 2 + k], embed, cache)
-        np.testing.assert_allclose(h[0, 0], hidden[k, 0, t], atol=2e-5, rtol=1e-5, err_msg=f"step {k}")
+    committing positions 0..t (the whole chain in one jitted call: eagerly, each op would compile
+    on its own)."""
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def chain(params):
+        model = nnx.merge(graphdef, params)
+        g = model.project_features(feats[:, : t + 1])
+        out, cache = model.forward_cached(g, tokens[:, 1 : t + 2], embed, model.new_cache(1, 32))
+        h, outputs = out[:, t : t + 1], [out[0, t]]
+        for k in range(1, hidden.shape[0]):
+            h, cache = model.forward_cached(h, tokens[:, t + 1 + k : t + 2 + k], embed, cache)
+            outputs.append(h[0, 0])
+        return jnp.stack(outputs)
+
+    np.testing.assert_allclose(chain(params), hidden[:, 0, t], atol=2e-5, rtol=1e-5)
 
 
 def test_step_k_does_not_see_later_positions(setup):
     cfg, model, embed, feats, tokens, hidden = setup
-    moved = model.forward_train(embed, feats.at[:, 6:].add(3.0), tokens)
+    moved = train_forward(model)(embed, feats.at[:, 6:].add(3.0), tokens)  # as `hidden` was computed
     np.testing.assert_array_equal(moved[:, :, :6], hidden[:, :, :6])
     assert np.abs(moved[:, :, 6:] - hidden[:, :, 6:]).max() > 1e-3
 
@@ -123,7 +147,7 @@ def test_ttt_loss_gradients_and_value(setup):
     def f(params, embed, head):
         return eagle3_loss(nnx.merge(graphdef, params), embed, head, data)
 
-    (loss, metrics), (g_params, g_embed, g_head) = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(
+    (loss, metrics), (g_params, g_embed, g_head) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(
         params, embed, embed
     )
     for path, g in jax.tree_util.tree_flatten_with_path(g_params)[0]:
@@ -168,8 +192,9 @@ def test_reduced_head_loss_and_proposal(setup):
     lse = jax.nn.logsumexp(target_hidden @ embed.T, axis=-1)
     mask = jnp.ones((1, SEQ), jnp.int32).at[:, :4].set(0)
     anchors = (jnp.arange(1, SEQ, dtype=jnp.int32)[None], jnp.ones((1, SEQ - 1), bool))
-    full = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors))
-    via_lse = eagle3_loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors, lse))
+    loss = nnx.jit(eagle3_loss)  # eagerly, every op of the TTT steps would compile on its own
+    full = loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors))
+    via_lse = loss(model, embed, embed, TrainBatch(tokens, mask, feats, target_hidden, *anchors, lse))
     np.testing.assert_allclose(via_lse[0], full[0], rtol=1e-5)
     np.testing.assert_allclose(via_lse[1]["accept_rate"], full[1]["accept_rate"], rtol=1e-5)
 
