@@ -173,10 +173,29 @@ def test_a_speculators_eagle3_drafter_decodes_its_target_losslessly(name):
     assert got.tokens == want.tokens
 
 
+def test_an_eagle3_config_without_layer_ids_taps_what_vllm_taps_of_its_target(tmp_path):
+    """What ``speculators convert`` writes for the EAGLE authors' checkpoints: no layer ids, so
+    vLLM and speculators take hidden states 2, n // 2 and n - 3 of an n-layer target, our taps
+    1, 3 and 4 of an 8-layer one. Without a target it cannot load, and says why."""
+    rng = np.random.default_rng(0)
+    directory = damaged(tmp_path, "eagle3", dict(eagle_aux_hidden_state_layer_ids=None),
+                        add={"fc.weight": (0.1 * rng.standard_normal((64, 3 * 64))).astype(np.float32)})
+    target = its_target("eagle3", num_layers=8)
+    drafter = load_drafter(directory, target=target)
+    assert drafter.cfg.tap_layers == (1, 3, 4)
+    assert read_drafter_config(directory, target)[0] == drafter.cfg
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
+    assert SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12).tokens \
+        == want.tokens
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on "
+                                         r"the target's depth n \(vLLM takes its hidden states 2, n // 2 and n - 3\): "
+                                         "load it with its target"):
+        load_drafter(directory)
+
+
 def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_path):
     refusals = [
-        (dict(eagle_aux_hidden_state_layer_ids=None), "eagle_aux_hidden_state_layer_ids is not set: the tapped layers "
-                                                      r"then depend on the verifier's depth n \(vLLM takes"),
         (dict(eagle_aux_hidden_state_layer_ids=[0, 3]), r"eagle_aux_hidden_state_layer_ids has 0 \(the target's "
                                                         r"embedding output\)"),
         (dict(embed_requires_grad=True), "embed_requires_grad is true: the drafter trained its own token embedding"),

@@ -73,8 +73,9 @@ def claims(directory) -> bool:
         architectures == [ZLAB_DFLASH] or any("DSpark" in str(a) for a in architectures))
 
 
-def read_config(directory) -> tuple[DrafterConfig, dict]:
-    """The ``DrafterConfig`` of a DeepSpec checkpoint and its whole ``config.json``."""
+def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConfig, dict]:
+    """The ``DrafterConfig`` of a DeepSpec checkpoint and its whole ``config.json`` (its tapped
+    layers are always named: ``target_depth`` is not needed)."""
     path = Path(directory) / CONFIG_FILE
     raw = json.loads(path.read_text())
 

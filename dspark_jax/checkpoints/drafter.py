@@ -55,7 +55,15 @@ SKETCH_ROWS, SKETCH_COLUMNS = 64, 8  # the embedding entries a sketch samples, e
 # Q4_0, 1.000 at Q8_0 and in bfloat16; a random one of its shape 0.00, its rows shifted by one 0.23.
 SAME_TARGET_CORRELATION = 0.5
 # Readers of drafters other programs saved: DeepSpec's (the official DSpark drafters) and speculators'.
+# Each has NAME, claims(directory), read_config(directory, target_depth), read_drafter(directory,
+# cfg) and trained_for(directory, raw); target_depth is the target's number of decoder layers
+# where known (a format may leave the tapped layers to the target, as vLLM does).
 OTHER_FORMATS = (deepspec, speculators)
+
+
+def _depth(target) -> int | None:
+    """The decoder layers of ``target`` (a model, its config, or None)."""
+    return None if target is None else getattr(target, "cfg", target).num_layers
 
 
 def build_drafter(cfg: DrafterConfig, *, seed: int = 0, dtype=jnp.float32, draft_vocab_ids=None):
@@ -280,12 +288,13 @@ def other_format(directory):
     return next((reader for reader in OTHER_FORMATS if reader.claims(directory)), None)
 
 
-def read_drafter_config(directory) -> tuple[DrafterConfig, dict]:
+def read_drafter_config(directory, target=None) -> tuple[DrafterConfig, dict]:
     """The drafter config and the free-form metadata of a checkpoint directory (for one another
-    program saved, ``{"deepspec" or "speculators": its config.json}``)."""
+    program saved, ``{"deepspec" or "speculators": its config.json}``); ``target`` (a model or its
+    config), where given, settles what such a checkpoint leaves to its target."""
     reader = other_format(directory)
     if reader is not None:
-        cfg, raw = reader.read_config(directory)
+        cfg, raw = reader.read_config(directory, _depth(target))
         return cfg, {reader.NAME: raw}
     cfg, raw = _read_config(directory)
     return cfg, raw.get("metadata", {})
@@ -326,7 +335,7 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
     directory = Path(directory)
     reader = other_format(directory)
     if reader is not None:
-        cfg, their_config = reader.read_config(directory)
+        cfg, their_config = reader.read_config(directory, _depth(target))
         raw, weights = {}, directory
     else:
         cfg, raw = _read_config(directory)

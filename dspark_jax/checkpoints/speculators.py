@@ -36,9 +36,12 @@ layer takes speculators' options: ``norm_before_fc`` or ``fc_norm`` (the feature
 its index, not its position; decoding here windows by position, as a KV cache sees it (the two
 differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
 
+An EAGLE-3 config without layer ids (what ``speculators convert`` writes for the EAGLE authors'
+checkpoints) leaves them to the target, as vLLM and speculators do: hidden states 2, n // 2 and
+n - 3 of an n-layer target (``load_drafter`` with a target; without one it is refused by name).
+
 Refused by name: speculators' other drafters (MTP, ...), a tap of the embedding output (layer id
-0), an EAGLE-3 drafter without its layer ids (vLLM then takes the verifier's layers 2, n/2 and
-n - 3), of more than one layer or that trained its own embedding (``embed_requires_grad``),
+0), an EAGLE-3 drafter of more than one layer or that trained its own embedding (``embed_requires_grad``),
 sliding-window DSpark and DFlash layers, attention biases and a draft width other than the
 target's.
 """
@@ -79,8 +82,10 @@ def claims(directory) -> bool:
     return raw is not None and "speculators_model_type" in raw
 
 
-def read_config(directory) -> tuple[DrafterConfig, dict]:
-    """The ``DrafterConfig`` of a speculators DSpark, DFlash or EAGLE-3 checkpoint and its whole ``config.json``."""
+def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConfig, dict]:
+    """The ``DrafterConfig`` of a speculators DSpark, DFlash or EAGLE-3 checkpoint and its whole
+    ``config.json``; ``target_depth`` (the target's decoder layers) settles an EAGLE-3 drafter's
+    taps where its config leaves them to the target."""
     path = Path(directory) / CONFIG_FILE
     raw = read_config_json(directory)
 
@@ -89,7 +94,7 @@ def read_config(directory) -> tuple[DrafterConfig, dict]:
 
     kind = raw.get("speculators_model_type")
     if kind == EAGLE3:
-        return _eagle3_config(raw, refuse), raw
+        return _eagle3_config(raw, refuse, target_depth), raw
     if kind not in MODEL_TYPES:
         raise refuse(f"a speculators {kind} drafter; this reads speculators' DSpark, DFlash and EAGLE-3 drafters and "
                      "DeepSpec's")
@@ -139,14 +144,25 @@ def _draft_layers(raw: dict, layers: dict, refuse):
     return backbone
 
 
-def _eagle3_config(raw: dict, refuse) -> DrafterConfig:
+def default_eagle3_layer_ids(target_depth: int) -> list[int]:
+    """The layer ids vLLM and speculators take for an EAGLE-3 drafter whose config names none
+    (what ``speculators convert`` writes for the EAGLE authors' checkpoints): hidden states 2,
+    n // 2 and n - 3 of an n-layer target, in transformers' numbering."""
+    return [2, target_depth // 2, target_depth - 3]
+
+
+def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig:
     """Our ``DrafterConfig`` of a speculators ``Eagle3DraftModel``."""
     missing = [key for key in ("transformer_layer_config", "draft_vocab_size") if raw.get(key) is None]
     if missing:
         raise refuse(f"a speculators eagle3 config without {', '.join(missing)}: the checkpoint is damaged")
-    if raw.get("eagle_aux_hidden_state_layer_ids") is None:
-        raise refuse("eagle_aux_hidden_state_layer_ids is not set: the tapped layers then depend on the verifier's "
-                     "depth n (vLLM takes its hidden states 2, n // 2 and n - 3); write them into the config")
+    layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if layer_ids is None:
+        if target_depth is None:
+            raise refuse("eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on the target's "
+                         "depth n (vLLM takes its hidden states 2, n // 2 and n - 3): load it with its target "
+                         "(load_drafter(..., target=...), --checkpoint), or write them into the config")
+        layer_ids = default_eagle3_layer_ids(target_depth)
     for flag in ("embed_requires_grad", "norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
         if not isinstance(raw.get(flag, False), bool):
             raise refuse(f"{flag} is {raw[flag]!r}, not true or false: the checkpoint is damaged")
@@ -164,7 +180,7 @@ def _eagle3_config(raw: dict, refuse) -> DrafterConfig:
         raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's EAGLE-3 drafter has one layer, of "
                      "full or sliding-window attention")
     try:
-        layer_ids = as_ints(raw["eagle_aux_hidden_state_layer_ids"], "eagle_aux_hidden_state_layer_ids")
+        layer_ids = as_ints(layer_ids, "eagle_aux_hidden_state_layer_ids")
         draft_vocab = as_int(raw["draft_vocab_size"], "draft_vocab_size")
         gamma = _speculative_tokens(raw.get("speculators_config"))
         window = (as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")

@@ -162,7 +162,7 @@ def policy_bench(texts: Sequence[str], drafter_spec: str, policies: dict, *, bat
 
     target, tokenizer = bench_target(checkpoint, dtype)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
-    slack = read_drafter_config(resolve_drafter(drafter_spec)[1])[0].block_size + 1
+    slack = read_drafter_config(resolve_drafter(drafter_spec)[1], target)[0].block_size + 1
     max_len = cache_len([len(p) for p in prompts], max_new_tokens, target.cfg.max_position_embeddings, slack)
     return PolicyBench(target, tokenizer, prompts, max_len,
                        policy_decoders(target, drafter_spec, policies, batches=batches, max_len=max_len,
