@@ -218,6 +218,9 @@ def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load
                             (dict(drop="lm_head.weight"), r"missing \['lm_head.weight'\]")):
         with pytest.raises(ValueError, match=message):
             load_drafter(damaged(tmp_path, "eagle3_trained", **change), target=its_target("eagle3_trained"))
+    # Its copy of the target's embedding identifies its target: another one of the same shape is refused.
+    with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
+        load_drafter(FIXTURES / "eagle3_trained", target=tiny_target(**SHAPE))
     # Full attention when the layer's type says so, whatever its window field holds.
     full = load_drafter(damaged(tmp_path, "eagle3_trained", dict(layers=dict(layer_types=["full_attention"]))))
     assert full.cfg.sliding_window is None
@@ -311,5 +314,9 @@ def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, caps
     assert cli.main(["convert", "--drafter", str(FIXTURES / "eagle3_trained"), "--out", str(eagle3)]) == 0
     converted, original = load_drafter(eagle3), load_drafter(FIXTURES / "eagle3_trained")
     assert converted.cfg == original.cfg and converted.cfg.sliding_window == 8
+    assert json.loads((eagle3 / "config.json").read_text())["target"]["num_layers"] is None  # not said
+    load_drafter(eagle3, target=its_target("eagle3_trained"))
+    with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
+        load_drafter(eagle3, target=tiny_target(**SHAPE))
     for name, value in drafter_tensors(original).items():
         np.testing.assert_array_equal(drafter_tensors(converted)[name], value, err_msg=name)

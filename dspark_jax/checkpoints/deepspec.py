@@ -234,17 +234,12 @@ def trained_for(directory, raw: dict) -> dict | None:
     """The record of a DeepSpec checkpoint's target (``checkpoints.drafter.identity``): its depth,
     from its ``config.json`` (``raw``), and a sketch of ``embed_tokens``, of which only the
     sampled rows are read; None for an export without the copy of the embedding."""
-    from dspark_jax.checkpoints.drafter import identity, sketch_of_rows
-    from dspark_jax.checkpoints.hf import open_safetensors, safetensors_files
+    from dspark_jax.checkpoints.drafter import embedding_sketch, identity
 
-    files = safetensors_files(Path(directory))
-    if "embed_tokens.weight" not in files:
+    sketch = embedding_sketch(directory)
+    if sketch is None:
         if raw.get("architectures") != [ARCHITECTURE]:  # exports, z-lab's too, may leave the target's copies out
             return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")
-    with open_safetensors(files["embed_tokens.weight"]) as f:
-        embedding = f.get_slice("embed_tokens.weight")
-        vocab, width = embedding.get_shape()
-        sketch = sketch_of_rows(lambda rows: np.concatenate([embedding[r:r + 1] for r in rows]), vocab, width)
     return identity(raw["num_target_layers"], sketch)

@@ -115,9 +115,25 @@ def _embedding_sketch(target) -> np.ndarray:
     return sketch_of_rows(lambda rows: embedding[rows], *embedding.shape)  # only these rows leave the device
 
 
-def identity(num_layers: int, sketch: np.ndarray) -> dict:
-    """The ``target`` section of a drafter's ``config.json``: a target's depth and embedding sketch."""
-    return {"num_layers": int(num_layers), "embedding_sketch": [float(f"{x:.4g}") for x in sketch]}
+def identity(num_layers: int | None, sketch: np.ndarray) -> dict:
+    """The ``target`` section of a drafter's ``config.json``: a target's depth (None where a
+    checkpoint from elsewhere does not say it) and embedding sketch."""
+    return {"num_layers": None if num_layers is None else int(num_layers),
+            "embedding_sketch": [float(f"{x:.4g}") for x in sketch]}
+
+
+def embedding_sketch(directory, name: str = "embed_tokens.weight") -> np.ndarray | None:
+    """The sketch of the embedding a checkpoint from elsewhere saved as tensor ``name`` (only the
+    sampled rows are read), or None where it saved none."""
+    from dspark_jax.checkpoints.hf import open_safetensors, safetensors_files
+
+    files = safetensors_files(Path(directory))
+    if name not in files:
+        return None
+    with open_safetensors(files[name]) as f:
+        embedding = f.get_slice(name)
+        vocab, width = embedding.get_shape()
+        return sketch_of_rows(lambda rows: np.concatenate([embedding[r:r + 1] for r in rows]), vocab, width)
 
 
 def target_identity(target) -> dict:
@@ -131,7 +147,8 @@ def _check_trained_target(directory: Path, recorded, target, *, in_config: bool 
     (``target_identity``, from ``config.json``; ``in_config=False``: from a DeepSpec checkpoint's
     own copy of the embedding, which cannot be deleted to run the drafter anyway) describes."""
     path = directory / CONFIG_FILE
-    valid = (isinstance(recorded, dict) and isinstance(recorded.get("num_layers"), int)
+    depth = recorded.get("num_layers") if isinstance(recorded, dict) else None
+    valid = (isinstance(recorded, dict) and (depth is None or isinstance(depth, int))
              and isinstance(recorded.get("embedding_sketch"), list) and len(recorded["embedding_sketch"]) > 0
              and all(isinstance(x, (int, float)) for x in recorded["embedding_sketch"]))
     if not valid:
@@ -140,7 +157,7 @@ def _check_trained_target(directory: Path, recorded, target, *, in_config: bool 
     run_anyway = ("it would decode losslessly but accept few drafts: train a drafter for this target (dspark train)"
                   + (f", or delete the '{TARGET}' section of {CONFIG_FILE} to run it anyway" if in_config else ""))
     cfg = getattr(target, "cfg", target)
-    if recorded["num_layers"] != cfg.num_layers:
+    if depth is not None and depth != cfg.num_layers:
         raise ValueError(f"{path}: trained for a target of {recorded['num_layers']} decoder layers, and this target "
                          f"has {cfg.num_layers}: its tapped layers mean other features here; {run_anyway}")
     if not hasattr(target, "embedding_and_head"):  # a config alone: nothing more to compare

@@ -21,9 +21,11 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   over those tokens and ``d2t``, an offset per draft token (target id = draft index + ``d2t``),
   read as our reduced head and its ids; the Markov head's ``W1`` still has a row per target token.
   With the full vocabulary the target's LM head is used, as here.
-* It saves no copy of the target's embedding, so the checkpoint records nothing of its target
-  but its width, vocabulary and the verifier's name (``speculators_config.verifier``): a target of
-  the same shape is not refused (``trained_for`` gives None).
+* Its DSpark and DFlash drafters save no copy of the target's embedding, so such a checkpoint
+  records nothing of its target but its width, vocabulary and the verifier's name
+  (``speculators_config.verifier``): a target of the same shape is not refused (``trained_for``
+  gives None). Its EAGLE-3 drafters keep the copy (``embed_tokens``), whose sketch refuses another
+  target as for drafters trained here (not its depth, which the config does not say).
 
 EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
 ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
@@ -263,6 +265,11 @@ def read_drafter(directory, cfg: DrafterConfig):
     return cfg, tensors
 
 
-def trained_for(directory, raw: dict) -> None:
-    """speculators records no sketch of its target (``checkpoints.drafter.identity``)."""
-    return None
+def trained_for(directory, raw: dict) -> dict | None:
+    """The record of an EAGLE-3 checkpoint's target (``checkpoints.drafter.identity``): a sketch of
+    the copy of its embedding speculators keeps, without the depth, which it does not say. Its
+    DSpark and DFlash drafters keep no such copy: None."""
+    from dspark_jax.checkpoints.drafter import embedding_sketch, identity
+
+    sketch = embedding_sketch(directory) if raw.get("speculators_model_type") == EAGLE3 else None
+    return None if sketch is None else identity(None, sketch)
