@@ -1,7 +1,7 @@
 """Produce the speculators reference goldens that ``tests/test_speculators.py`` checks in CI.
 
 speculators (``vllm-project/speculators``: vLLM's drafter training library, whose checkpoints vLLM
-serves) trains DSpark drafters as ``DSparkDraftModel``. This script needs it and its torch and
+serves) trains DSpark drafters as ``DSparkDraftModel`` (and DFlash and EAGLE-3 ones). This script needs it and its torch and
 transformers, best in a venv of their own (speculators pins transformers 5)::
 
     python -m venv /tmp/specvenv
@@ -29,6 +29,10 @@ features and tokens, and ``tests/goldens/tiny_speculators.npz`` keeps the inputs
 computed for each anchored block: the hidden states, and the Markov-corrected and confidence
 logits speculators' loss receives (captured from its own ``forward``), with the target's
 embedding the drafter was built with.
+
+EAGLE-3 drafters (``EAGLE3_VARIANTS``: ``Eagle3DraftModel``, saved with the copy of the target's
+embedding it keeps) get the logits of each training-time-test step of its training forward,
+captured at its ``lm_head``.
 """
 
 from __future__ import annotations
@@ -107,12 +111,7 @@ def drafter(name: str, seed: int):
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=drafts)]))
     torch.manual_seed(seed)
     model = (core.DFlashDraftModel if core is dflash else core.DSparkDraftModel)(config).eval()
-    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
-    embedding = 0.2 * torch.randn(vocab, width)
-    draft_ids = torch.arange(vocab)
-    if model.use_draft_vocab:
-        draft_ids = torch.sort(torch.randperm(vocab)[:variant["draft_vocab_size"]]).values
-    randomize(model, embedding, draft_ids, variant["draft_vocab_size"])
+    embedding, draft_ids = randomize(model, variant["draft_vocab_size"])
     return model, core, embedding, draft_ids
 
 
@@ -159,13 +158,18 @@ def computed(model, core, seed: int, embedding, draft_ids) -> dict:
     return {key: value.numpy() for key, value in result.items()}
 
 
-def randomize(model, embedding, draft_ids, draft_vocab_size: int) -> None:
-    """Seeded random weights (norms away from 1, so that a skipped one shows), the target's
-    embedding, and its tied head's rows for the draft vocabulary (speculators' mapping: ``t2d`` a
-    mask, ``d2t`` offsets, target id minus draft index)."""
+def randomize(model, draft_vocab_size: int):
+    """``(the target's embedding, the draft vocabulary's ids)``, drawn at random, and the model
+    given seeded random weights (norms away from 1, so that a skipped one shows), that embedding,
+    and its tied head's rows for the draft vocabulary (speculators' mapping: ``t2d`` a mask,
+    ``d2t`` offsets, target id minus draft index)."""
     import torch
 
-    vocab = TARGET["vocab_size"]
+    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
+    embedding = 0.2 * torch.randn(vocab, width)
+    draft_ids = torch.arange(vocab)
+    if model.use_draft_vocab:
+        draft_ids = torch.sort(torch.randperm(vocab)[:draft_vocab_size]).values
     if model.use_draft_vocab:
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[draft_ids] = True
@@ -177,6 +181,7 @@ def randomize(model, embedding, draft_ids, draft_vocab_size: int) -> None:
         model.embed_tokens.weight.copy_(embedding)
         model.lm_head.weight.copy_(embedding[draft_ids])
         model.verifier_lm_head.weight.copy_(embedding[draft_ids])
+    return embedding, draft_ids
 
 
 def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
@@ -205,16 +210,12 @@ def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=TTT_STEPS)]))
     torch.manual_seed(seed)
     model = Eagle3DraftModel(config).eval()
-    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
-    embedding = 0.2 * torch.randn(vocab, width)
-    draft_ids = torch.arange(vocab)
-    if model.use_draft_vocab:
-        draft_ids = torch.sort(torch.randperm(vocab)[:variant["draft_vocab_size"]]).values
-    randomize(model, embedding, draft_ids, variant["draft_vocab_size"])
+    embedding, draft_ids = randomize(model, variant["draft_vocab_size"])
     out = FIXTURES / name
     model.save_pretrained(out, safe_serialization=True)
     (out / "config.py").unlink()  # speculators' source, copied beside (see make)
 
+    vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
     generator = torch.Generator().manual_seed(seed + 1)
     features = torch.randn(1, SEQUENCE, len(AUX_LAYER_IDS) * width, generator=generator)
     input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
