@@ -72,8 +72,11 @@ def test_speculators_variants_train_as_they_draft(variant):
                                block_size=4, **VARIANTS[variant])
     model = Eagle3Drafter(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    # Norm weights away from 1, so that a norm applied in the wrong place shows.
-    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.PRNGKey(9), p.shape), params)
+    # Every weight moved at random (each its own way; the norms away from 1), so that a norm
+    # applied in the wrong place shows.
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(9), len(leaves))
+    params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
     model = nnx.merge(graphdef, params)
     embed = jax.random.normal(jax.random.PRNGKey(1), (cfg.vocab_size, cfg.hidden_size))
     feats = jax.random.normal(jax.random.PRNGKey(2), (1, SEQ, cfg.context_size))

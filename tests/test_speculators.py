@@ -318,5 +318,6 @@ def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, caps
     load_drafter(eagle3, target=its_target("eagle3_trained"))
     with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
         load_drafter(eagle3, target=tiny_target(**SHAPE))
+    converted_tensors = drafter_tensors(converted)
     for name, value in drafter_tensors(original).items():
-        np.testing.assert_array_equal(drafter_tensors(converted)[name], value, err_msg=name)
+        np.testing.assert_array_equal(converted_tensors[name], value, err_msg=name)

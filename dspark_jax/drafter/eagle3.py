@@ -61,10 +61,8 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         d = b.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
         # speculators' variants RMS-normalise the features before fc: all at once, or each tapped layer's.
-        chunks = {"none": 0, "joint": 1, "per_layer": len(cfg.tap_layers)}[cfg.eagle3_feature_norm]
-        self.feature_norms = nnx.List(
-            [RMSNorm(cfg.context_size // chunks, b.rms_norm_eps, dtype) for _ in range(chunks)]
-        )
+        widths = {"none": [], "joint": [cfg.context_size], "per_layer": [d] * len(cfg.tap_layers)}
+        self.feature_norms = nnx.List([RMSNorm(w, b.rms_norm_eps, dtype) for w in widths[cfg.eagle3_feature_norm]])
         self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype)
         self.embed_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(d, b.rms_norm_eps, dtype)
