@@ -163,7 +163,8 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
         if target_depth is None:
             raise refuse("eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on the target's "
                          "depth n (vLLM takes its hidden states 2, n // 2 and n - 3): load it with its target "
-                         "(load_drafter(..., target=...), --checkpoint), or write them into the config")
+                         "(load_drafter(..., target=...), as every dspark command that decodes does), or write them "
+                         "into the config")
         layer_ids = default_eagle3_layer_ids(target_depth)
     for flag in ("embed_requires_grad", "norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
         if not isinstance(raw.get(flag, False), bool):
