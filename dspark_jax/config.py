@@ -256,6 +256,12 @@ class SamplingConfig:
 MARKOV_HEADS = ("none", "vanilla", "gated", "rnn")
 MARKOV_W1_ROWS = ("target", "draft")
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+# The fields that make a drafter DFlash or EAGLE-3 as DeepSpec runs them: no Markov head, no
+# confidence head, cross-entropy alone (the classmethods below, and the checkpoint readers).
+_WITHOUT_HEADS = dict(markov_head="none", confidence_head=False, confidence_with_markov=False, ce_weight=1.0,
+                      tv_weight=0.0, confidence_weight=0.0)
+DFLASH_FIELDS = dict(kind="dflash", **_WITHOUT_HEADS)
+EAGLE3_FIELDS = dict(kind="eagle3", **_WITHOUT_HEADS)
 # How an EAGLE-3 drafter RMS-normalises the tapped features before ``fc``: not at all, with one norm
 # over their concatenation (speculators' ``norm_before_fc``), or one per tapped layer (``fc_norm``).
 EAGLE3_FEATURE_NORMS = ("none", "joint", "per_layer")
@@ -420,16 +426,12 @@ class DrafterConfig:
     @classmethod
     def dflash(cls, target: TargetConfig, **kw):
         """DFlash as DeepSpec runs it: same backbone, no sequential/confidence head, CE only."""
-        defaults = dict(kind="dflash", markov_head="none", confidence_head=False, confidence_with_markov=False,
-                        ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
-        return cls.for_target(target, **{**defaults, **kw})
+        return cls.for_target(target, **{**DFLASH_FIELDS, **kw})
 
     @classmethod
     def eagle3(cls, target: TargetConfig, **kw):
         """The EAGLE-3-style autoregressive baseline: one layer, γ training-time-test steps."""
-        defaults = dict(kind="eagle3", num_layers=1, markov_head="none", confidence_head=False,
-                        confidence_with_markov=False, ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
-        return cls.for_target(target, **{**defaults, **kw})
+        return cls.for_target(target, **{**EAGLE3_FIELDS, "num_layers": 1, **kw})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

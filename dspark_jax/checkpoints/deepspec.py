@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.config import DrafterConfig, as_int, as_ints
+from dspark_jax.config import DFLASH_FIELDS, DrafterConfig, as_int, as_ints
 
 NAME = "deepspec"
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -158,7 +158,7 @@ def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, marko
         draft_from_anchor=draft_from_anchor,
     )
     if markov_rank == 0 and not confidence_head:
-        fields |= dict(kind="dflash", ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0)
+        fields |= DFLASH_FIELDS
     try:
         return DrafterConfig(**fields)
     except ValueError as error:

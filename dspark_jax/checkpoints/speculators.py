@@ -62,7 +62,7 @@ from dspark_jax.checkpoints.deepspec import (
     read_sources,
     tensor_sources,
 )
-from dspark_jax.config import DrafterConfig, as_int, as_ints
+from dspark_jax.config import EAGLE3_FIELDS, DrafterConfig, as_int, as_ints
 
 NAME = "speculators"
 # What speculators may leave in a checkpoint that the drafter does not use: the target's weights
@@ -197,10 +197,9 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
     feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
     try:
         return DrafterConfig(
-            backbone=backbone, tap_layers=taps, kind="eagle3", block_size=gamma, sliding_window=window,
+            **EAGLE3_FIELDS, backbone=backbone, tap_layers=taps, block_size=gamma, sliding_window=window,
             mask_token_id=0,  # EAGLE-3 drafts without a mask token
-            markov_head="none", confidence_head=False, confidence_with_markov=False,
-            ce_weight=1.0, tv_weight=0.0, confidence_weight=0.0, draft_vocab_size=draft_vocab,
+            draft_vocab_size=draft_vocab,
             eagle3_feature_norm=feature_norm, eagle3_norm_before_residual=raw.get("norm_before_residual", False),
             eagle3_norm_output=raw.get("norm_output", False))
     except ValueError as error:
