@@ -430,7 +430,8 @@ class DrafterConfig:
 
     @classmethod
     def eagle3(cls, target: TargetConfig, **kw):
-        """The EAGLE-3-style autoregressive baseline: one layer, γ training-time-test steps."""
+        """The EAGLE-3-style autoregressive baseline: one layer unless ``num_layers`` says more,
+        γ training-time-test steps."""
         return cls.for_target(target, **{**EAGLE3_FIELDS, "num_layers": 1, **kw})
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,6 +81,9 @@ EAGLE3_VARIANTS = {
     "eagle3_trained": dict(arch="llama", draft_vocab_size=97, norm_before_residual=True, norm_before_fc=True,
                            norm_output=True, sliding_window=8),
     "eagle3_fc_norm": dict(arch="qwen3", draft_vocab_size=61, fc_norm=True),
+    # Two layers, as vLLM also serves them: the second a plain Qwen3 decoder layer, both windowed.
+    "eagle3_two_layers": dict(arch="qwen3", num_layers=2, draft_vocab_size=61, norm_before_residual=True,
+                              norm_output=True, sliding_window=8),
 }
 TTT_STEPS = 3
 
@@ -196,10 +199,10 @@ def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
     from transformers import LlamaConfig, Qwen3Config
 
     variant = dict(EAGLE3_VARIANTS[name])
-    arch, window = variant.pop("arch"), variant.pop("sliding_window", None)
-    layer_fields = dict(TARGET, num_hidden_layers=1)
+    arch, window, depth = variant.pop("arch"), variant.pop("sliding_window", None), variant.pop("num_layers", 1)
+    layer_fields = dict(TARGET, num_hidden_layers=depth)
     if window is not None:
-        layer_fields |= dict(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"])
+        layer_fields |= dict(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"] * depth)
     layer_config = (Qwen3Config if arch == "qwen3" else LlamaConfig)(**layer_fields)
     layer_config._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path="tiny-verifier", architectures=["Qwen3ForCausalLM"])

@@ -35,12 +35,15 @@ def train_forward(model):
     return lambda *args: forward(params, *args)
 
 
-def test_config_is_one_layer_autoregressive():
+def test_config_is_one_layer_autoregressive_by_default():
     target = tiny_config(num_layers=4)
     cfg = DrafterConfig.eagle3(target, tap_layers=(0, 2), mask_token_id=5)
     assert cfg.backbone.num_layers == 1 and cfg.markov_head == "none" and not cfg.confidence_head
-    with pytest.raises(ValueError, match="exactly one layer"):
-        Eagle3Drafter(DrafterConfig.for_target(target, num_layers=2, tap_layers=(0,), mask_token_id=5), rngs=nnx.Rngs(0))
+    assert len(Eagle3Drafter(cfg, rngs=nnx.Rngs(0)).later_layers) == 0
+    # Deeper, as speculators and vLLM stack them: a cache layer for each.
+    deeper = Eagle3Drafter(dataclasses.replace(cfg, backbone=dataclasses.replace(cfg.backbone, num_layers=3)),
+                           rngs=nnx.Rngs(0))
+    assert len(deeper.later_layers) == 2 and len(deeper.new_cache(1, 8).keys) == 3
 
 
 def test_shapes(setup):
@@ -56,11 +59,12 @@ def test_ttt_steps_equal_cached_autoregressive_inference(setup, t):
 
 
 # speculators' EAGLE-3 options (checkpoints.speculators reads them): a sliding window of 3
-# positions, shorter than the TTT steps' reach, and every norm variant.
+# positions, shorter than the TTT steps' reach, every norm variant, and a second layer.
 VARIANTS = {
     "speculators_defaults": dict(eagle3_feature_norm="joint", eagle3_norm_before_residual=True,
                                  eagle3_norm_output=True, sliding_window=3),
     "per_layer_norms": dict(eagle3_feature_norm="per_layer", sliding_window=2),
+    "two_layers": dict(num_layers=2, eagle3_norm_before_residual=True, sliding_window=3),
 }
 
 

@@ -124,10 +124,11 @@ def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     assert got.tokens == want.tokens
 
 
-# (γ, draft_vocab_size, qk_norm, sliding_window, eagle3_feature_norm, norm_before_residual, norm_output)
-EAGLE3 = {"eagle3": (3, 61, True, None, "none", False, False),
-          "eagle3_trained": (3, 97, False, 8, "joint", True, True),
-          "eagle3_fc_norm": (3, 61, True, None, "per_layer", False, False)}
+# (layers, γ, draft_vocab_size, qk_norm, sliding_window, eagle3_feature_norm, norm_before_residual, norm_output)
+EAGLE3 = {"eagle3": (1, 3, 61, True, None, "none", False, False),
+          "eagle3_trained": (1, 3, 97, False, 8, "joint", True, True),
+          "eagle3_fc_norm": (1, 3, 61, True, None, "per_layer", False, False),
+          "eagle3_two_layers": (2, 3, 61, True, 8, "none", True, True)}
 
 
 @pytest.mark.parametrize("name", EAGLE3)
@@ -135,15 +136,16 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
     """The logits of each training-time-test step against speculators' own training forward on
     the same features and tokens (features of position t with token t + 1, as its data pipeline
     aligns them), over its draft vocabulary (all 97 tokens, its own head, for ``eagle3_trained``).
-    ``eagle3_trained`` windows 8 positions: its step 0 is compared everywhere, so the window is
+    ``eagle3_trained`` and ``eagle3_two_layers`` (a plain Qwen3 decoder layer after the first)
+    window 8 positions: step 0 is compared everywhere, so the window is
     checked where speculators and vLLM agree; a later step k only at t < 8 - k, because past
     there speculators' training forward windows by index where decoding (vLLM's, and ours, in
     training too) windows by position (``checkpoints.speculators``)."""
     drafter = load_drafter(FIXTURES / name, target=its_target(name))
     cfg = drafter.cfg
     assert (cfg.kind, cfg.tap_layers, cfg.markov_head, cfg.confidence_head) == ("eagle3", (0, 2), "none", False)
-    assert (cfg.block_size, cfg.draft_vocab_size, cfg.backbone.qk_norm, cfg.sliding_window, cfg.eagle3_feature_norm,
-            cfg.eagle3_norm_before_residual, cfg.eagle3_norm_output) == EAGLE3[name]
+    assert (cfg.backbone.num_layers, cfg.block_size, cfg.draft_vocab_size, cfg.backbone.qk_norm, cfg.sliding_window,
+            cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual, cfg.eagle3_norm_output) == EAGLE3[name]
     np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
     embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
     features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
@@ -164,7 +166,7 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
 
 @pytest.mark.parametrize("name", EAGLE3)
 def test_a_speculators_eagle3_drafter_decodes_its_target_losslessly(name):
-    """Greedy, running past ``eagle3_trained``'s 8-position window."""
+    """Greedy, running past the 8-position windows."""
     target = its_target(name)
     drafter = load_drafter(FIXTURES / name, target=target)
     prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
@@ -201,10 +203,9 @@ def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load
         (dict(embed_requires_grad=True), "embed_requires_grad is true: the drafter trained its own token embedding"),
         (dict(fc_norm=True), "norm_before_fc and fc_norm are both true"),
         (dict(norm_output="yes"), "norm_output is 'yes', not true or false"),
-        (dict(layers=dict(num_hidden_layers=2, layer_types=["sliding_attention"] * 2)),
-         "layer_types .*: dspark-jax's EAGLE-3 drafter has one layer"),
-        (dict(layers=dict(num_hidden_layers=2, layer_types=None)), "an EAGLE-3 drafter of 2 layers; dspark-jax's "
-                                                                    "EAGLE-3 drafter has one"),
+        (dict(layers=dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])),
+         "layer_types .*: dspark-jax's EAGLE-3 layers all attend alike"),
+        (dict(layers=dict(num_hidden_layers=2)), "1 layer_types for 2 layers: the checkpoint is damaged"),
         (dict(layers=dict(sliding_window=None)), "sliding_window.*the checkpoint is damaged"),
         (dict(speculators_config=dict(default_proposal_method="tree")), "no 'tree' proposal method with "
                                                                          "speculative_tokens: the checkpoint is damaged"),
@@ -214,10 +215,10 @@ def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load
     for edit, message in refusals:
         with pytest.raises(ValueError, match=message):
             load_drafter(damaged(tmp_path, "eagle3_trained", edit), target=its_target("eagle3_trained"))
-    for change, message in ((dict(drop="input_norm.weight"), r"missing \['input_norm.weight'\]"),
-                            (dict(drop="lm_head.weight"), r"missing \['lm_head.weight'\]")):
-        with pytest.raises(ValueError, match=message):
-            load_drafter(damaged(tmp_path, "eagle3_trained", **change), target=its_target("eagle3_trained"))
+    for name, dropped in (("eagle3_trained", "input_norm.weight"), ("eagle3_trained", "lm_head.weight"),
+                          ("eagle3_two_layers", "layers.1.self_attn.k_norm.weight")):
+        with pytest.raises(ValueError, match=rf"missing \['{dropped}'\]"):
+            load_drafter(damaged(tmp_path, name, drop=dropped), target=its_target(name))
     # Its copy of the target's embedding identifies its target: another one of the same shape is refused.
     with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
         load_drafter(FIXTURES / "eagle3_trained", target=tiny_target(**SHAPE))
@@ -309,15 +310,17 @@ def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, caps
     with pytest.raises(SystemExit, match=r"--drafter .*: .*holds no drafter DeepSpec or speculators saved"):
         cli.main(["convert", "--drafter", str(out), "--out", str(tmp_path / "again")])
     assert not (tmp_path / "again").exists()
-    # An EAGLE-3 one keeps its options and its own full-vocabulary head.
-    eagle3 = tmp_path / "eagle3"
-    assert cli.main(["convert", "--drafter", str(FIXTURES / "eagle3_trained"), "--out", str(eagle3)]) == 0
-    converted, original = load_drafter(eagle3), load_drafter(FIXTURES / "eagle3_trained")
-    assert converted.cfg == original.cfg and converted.cfg.sliding_window == 8
-    assert json.loads((eagle3 / "config.json").read_text())["target"]["num_layers"] is None  # not said
-    load_drafter(eagle3, target=its_target("eagle3_trained"))
-    with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
-        load_drafter(eagle3, target=tiny_target(**SHAPE))
-    converted_tensors = drafter_tensors(converted)
-    for name, value in drafter_tensors(original).items():
-        np.testing.assert_array_equal(converted_tensors[name], value, err_msg=name)
+    # An EAGLE-3 one keeps its options, its own full-vocabulary head and its second layer.
+    for name in ("eagle3_trained", "eagle3_two_layers"):
+        eagle3 = tmp_path / name
+        assert cli.main(["convert", "--drafter", str(FIXTURES / name), "--out", str(eagle3)]) == 0
+        converted, original = load_drafter(eagle3), load_drafter(FIXTURES / name)
+        assert converted.cfg == original.cfg and converted.cfg.sliding_window == 8
+        assert json.loads((eagle3 / "config.json").read_text())["target"]["num_layers"] is None  # not said
+        load_drafter(eagle3, target=its_target(name))
+        with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
+            load_drafter(eagle3, target=tiny_target(**SHAPE))
+        converted_tensors, original_tensors = drafter_tensors(converted), drafter_tensors(original)
+        assert converted_tensors.keys() == original_tensors.keys()
+        for key, value in original_tensors.items():
+            np.testing.assert_array_equal(converted_tensors[key], value, err_msg=f"{name}: {key}")

@@ -30,11 +30,12 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
 EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
 ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
 with ``d2t``; with the full vocabulary its ``lm_head`` is still its own, as vLLM reads it) and
-draft as many tokens as the default proposal method's ``speculative_tokens``. Their one draft
-layer takes speculators' options: ``norm_before_fc`` or ``fc_norm`` (the features' norms before
-``fc``), ``norm_before_residual``, ``norm_output`` and a sliding-window layer (``layer_types``
-["sliding_attention"], speculators' training default), read as our ``eagle3_*`` fields and
-``sliding_window``. speculators' training forward windows a later training-time step's query by
+draft as many tokens as the default proposal method's ``speculative_tokens``. Their draft layers
+(one by default; more are plain decoder layers after the first, as speculators and vLLM stack
+them) take speculators' options: ``norm_before_fc`` or ``fc_norm`` (the features' norms before
+``fc``), ``norm_before_residual`` (the first layer's), ``norm_output`` and sliding-window layers
+(``layer_types`` "sliding_attention", speculators' training default), read as our ``eagle3_*``
+fields and ``sliding_window``. speculators' training forward windows a later training-time step's query by
 its index, not its position; decoding here windows by position, as a KV cache sees it (the two
 differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
 
@@ -43,8 +44,8 @@ checkpoints) leaves them to the target, as vLLM and speculators do: hidden state
 n - 3 of an n-layer target (``load_drafter`` with a target; without one it is refused by name).
 
 Refused by name: speculators' other drafters (MTP, ...), a tap of the embedding output (layer id
-0), an EAGLE-3 drafter of more than one layer or that trained its own embedding (``embed_requires_grad``),
-sliding-window DSpark and DFlash layers, attention biases and a draft width other than the
+0), an EAGLE-3 drafter that trained its own embedding (``embed_requires_grad``) or whose layers mix
+full and sliding-window attention, sliding-window DSpark and DFlash layers, attention biases and a draft width other than the
 target's.
 """
 
@@ -179,21 +180,22 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
     if not isinstance(layers, dict):
         raise refuse(f"transformer_layer_config is {layers!r}, not the draft layer's config: the checkpoint is damaged")
     kinds = layers.get("layer_types") or ["full_attention"]
-    if kinds not in (["full_attention"], ["sliding_attention"]):
-        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's EAGLE-3 drafter has one layer, of "
-                     "full or sliding-window attention")
+    if not isinstance(kinds, list) or set(kinds) not in ({"full_attention"}, {"sliding_attention"}):
+        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's EAGLE-3 layers all attend alike, "
+                     "with full or with sliding-window attention")
+    sliding = kinds[0] == "sliding_attention"
     try:
         layer_ids = as_ints(layer_ids, "eagle_aux_hidden_state_layer_ids")
         draft_vocab = as_int(raw["draft_vocab_size"], "draft_vocab_size")
         gamma = _speculative_tokens(raw.get("speculators_config"))
-        window = (as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
-                  if kinds == ["sliding_attention"] else None)
+        window = as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window") if sliding else None
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     taps = _taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
     backbone = _draft_layers(raw, {k: v for k, v in layers.items() if k not in SLIDING_FIELDS}, refuse)
-    if backbone.num_layers != 1:
-        raise refuse(f"an EAGLE-3 drafter of {backbone.num_layers} layers; dspark-jax's EAGLE-3 drafter has one")
+    if "layer_types" in layers and layers["layer_types"] is not None and len(kinds) != backbone.num_layers:
+        raise refuse(f"transformer_layer_config: {len(kinds)} layer_types for {backbone.num_layers} layers: the "
+                     "checkpoint is damaged")
     feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
     try:
         return DrafterConfig(
@@ -218,23 +220,37 @@ def _speculative_tokens(speculators_config) -> int:
     return as_int(methods[0]["speculative_tokens"], "speculative_tokens")
 
 
+def _layer_body_sources(ours: str, theirs: str, qk_norm: bool) -> dict[str, tuple[str, ...]]:
+    """An EAGLE-3 draft layer's attention and MLP (``drafter.eagle3._LayerBody``) -> speculators'
+    tensors of the layer ``theirs`` (a prefix such as ``layers.0.``)."""
+    sources = {
+        ours + "qkv.weight": tuple(f"{theirs}self_attn.{x}_proj.weight" for x in "qkv"),
+        ours + "o.weight": (theirs + "self_attn.o_proj.weight",),
+        ours + "post_attn_norm.weight": (theirs + "post_attention_layernorm.weight",),
+        ours + "mlp.gate_up.weight": (theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"),
+        ours + "mlp.down.weight": (theirs + "mlp.down_proj.weight",),
+    }
+    if qk_norm:
+        sources |= {f"{ours}{x}_norm.weight": (f"{theirs}self_attn.{x}_norm.weight",) for x in "qk"}
+    return sources
+
+
 def _eagle3_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
-    """Every tensor of our EAGLE-3 drafter -> the speculators tensors it is made of."""
-    layer = "layers.0."
+    """Every tensor of our EAGLE-3 drafter -> the speculators tensors it is made of. Its first
+    layer's are the drafter's own; a later layer is a plain decoder layer (``later_layers``)."""
+    qk_norm = cfg.backbone.qk_norm
     sources = {
         "fc.weight": ("fc.weight",),
-        "embed_norm.weight": (layer + "input_layernorm.weight",),
-        "hidden_norm.weight": (layer + "hidden_norm.weight",),
-        "qkv.weight": tuple(f"{layer}self_attn.{x}_proj.weight" for x in "qkv"),
-        "o.weight": (layer + "self_attn.o_proj.weight",),
-        "post_attn_norm.weight": (layer + "post_attention_layernorm.weight",),
-        "mlp.gate_up.weight": (layer + "mlp.gate_proj.weight", layer + "mlp.up_proj.weight"),
-        "mlp.down.weight": (layer + "mlp.down_proj.weight",),
+        "embed_norm.weight": ("layers.0.input_layernorm.weight",),
+        "hidden_norm.weight": ("layers.0.hidden_norm.weight",),
+        **_layer_body_sources("", "layers.0.", qk_norm),
         "final_norm.weight": ("norm.weight",),
         "draft_head.linear.weight": ("lm_head.weight",),
     }
-    if cfg.backbone.qk_norm:
-        sources |= {f"{x}_norm.weight": (f"{layer}self_attn.{x}_norm.weight",) for x in "qk"}
+    for index in range(1, cfg.backbone.num_layers):
+        later, layer = f"later_layers.{index - 1}.", f"layers.{index}."
+        sources |= {later + "input_norm.weight": (layer + "input_layernorm.weight",),
+                    **_layer_body_sources(later, layer, qk_norm)}
     if cfg.eagle3_feature_norm == "joint":
         sources["feature_norms.0.weight"] = ("input_norm.weight",)
     elif cfg.eagle3_feature_norm == "per_layer":

@@ -2,18 +2,21 @@
 
 One decoder layer whose attention input is ``[RMSNorm(e_{t+1}) ; RMSNorm(g_t)]`` (2d wide) and
 whose residual stream is ``g_t``: the projected target feature ``fc · F_t`` (no norm) at step 0,
-the layer's own previous output at later steps. Position ``t`` pairs the feature of ``t`` with
-the embedding of token ``x_{t+1}`` and predicts the target's distribution over ``x_{t+2}``.
+the drafter's own previous output at later steps. Position ``t`` pairs the feature of ``t`` with
+the embedding of token ``x_{t+1}`` and predicts the target's distribution over ``x_{t+2}``. More
+layers, where a checkpoint has them (speculators and vLLM stack them), are plain pre-norm decoder
+layers over that layer's output; the last one's output is the next step's ``g``.
 
 Training unrolls γ "training-time test" steps in one pass per step: at step k a query at index
 t sees the step-0 keys at positions ``<= t`` and its own keys from steps 1..k (the SpecForge
-TTT mask), with RoPE positions offset by k. Inference runs the same layer causally over a
-KV cache: the committed (feature, next-token) pairs, then one proposal step per draft token.
+TTT mask), in every layer, with RoPE positions offset by k. Inference runs the same layers
+causally over a KV cache: the committed (feature, next-token) pairs, then one proposal step per
+draft token.
 
 speculators' variants (``DrafterConfig.eagle3_*``, read from its checkpoints) add RMSNorms on the
-features before ``fc``, start the residual stream from the normed ``g_t``, feed the final norm's
-output back as the next step's ``g`` (and to the head, without a second norm), and may limit the
-attention to a sliding window of positions.
+features before ``fc``, start the first layer's residual stream from the normed ``g_t``, feed the
+final norm's output back as the next step's ``g`` (and to the head, without a second norm), and
+may limit the attention to a sliding window of positions.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.config import DrafterConfig
+from dspark_jax.config import DrafterConfig, TargetConfig
 from dspark_jax.drafter.heads import DraftBlock, scatter_to_target
 from dspark_jax.drafter.model import ReducedHeadMixin, make_reduced_head
 from dspark_jax.models.kv_cache import KVCache
@@ -38,6 +41,7 @@ from dspark_jax.models.layers import (
     project,
     rope_cos_sin,
     rope_inverse_frequencies,
+    split_qkv,
     write_cache,
 )
 from dspark_jax.sampling import SamplingParams, probabilities, sample
@@ -52,26 +56,72 @@ class Eagle3Context(NamedTuple):
     hidden_BxD: jax.Array
 
 
-class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
+class _LayerBody:
+    """What every EAGLE-3 draft layer has past its input: fused q/k/v (QK-normed where the target
+    is) with RoPE, the attention's output projection and a SwiGLU MLP, each added to the residual
+    stream. The first layer's input is 2d wide, a later layer's d."""
+
+    def _build_body(self, b: TargetConfig, input_width: int, rngs: nnx.Rngs, dtype):
+        self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
+        self.qkv = Linear(input_width, (b.num_heads + 2 * b.num_kv_heads) * b.head_dim, rngs=rngs, dtype=dtype)
+        self.o = Linear(b.num_heads * b.head_dim, b.hidden_size, rngs=rngs, dtype=dtype)
+        self.q_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
+        self.k_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
+        self.post_attn_norm = RMSNorm(b.hidden_size, b.rms_norm_eps, dtype)
+        self.mlp = SwiGLU(b.hidden_size, b.intermediate_size, rngs=rngs, dtype=dtype)
+
+    def project_qkv(self, x_BxTxW, cos, sin):
+        q, k, v = split_qkv(self.qkv(x_BxTxW), self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def add_attention_and_mlp(self, residual_BxTxD, attn_BxTxHxD):
+        batch, steps = attn_BxTxHxD.shape[:2]
+        x = residual_BxTxD + self.o(attn_BxTxHxD.reshape(batch, steps, -1))
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Eagle3Layer(_LayerBody, nnx.Module):
+    """A later draft layer: a pre-norm decoder layer over the previous layer's output."""
+
+    def __init__(self, b: TargetConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.input_norm = RMSNorm(b.hidden_size, b.rms_norm_eps, dtype)
+        self._build_body(b, b.hidden_size, rngs, dtype)
+
+
+def ttt_attention(q_BxSxHxD, base_keys, base_values, own_keys, own_values, visible_SxS):
+    """A training-time-test step's attention at each index t: over the step-0 keys the mask shows,
+    and over the same index's own keys of later steps (one score per step, ``own_*`` [B, S, K, hd])."""
+    batch, seq, num_heads, head_dim = q_BxSxHxD.shape
+    num_kv = base_keys.shape[2]
+    qg = q_BxSxHxD.reshape(batch, seq, num_kv, num_heads // num_kv, head_dim)
+    scale = head_dim**-0.5
+    base = jnp.einsum("btkgd,bskd->btkgs", qg, base_keys).astype(jnp.float32) * scale
+    base = jnp.where(visible_SxS[None, :, None, None, :], base, MASK_VALUE)
+    own = [jnp.einsum("btkgd,btkd->btkg", qg, k).astype(jnp.float32)[..., None] * scale for k in own_keys]
+    probs = jax.nn.softmax(jnp.concatenate([base, *own], axis=-1), axis=-1)
+    out = jnp.einsum("btkgs,bskd->btkgd", probs[..., :seq], base_values)
+    for column, v in enumerate(own_values):
+        out = out + probs[..., seq + column, None] * v[:, :, :, None, :]
+    return out.reshape(batch, seq, num_heads, head_dim)
+
+
+class Eagle3Drafter(ReducedHeadMixin, _LayerBody, nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, draft_vocab_ids=None):
         b = cfg.backbone
-        if b.num_layers != 1:
-            raise ValueError(f"the EAGLE-3 drafter has exactly one layer, config asks for {b.num_layers}")
         self.cfg = cfg
         d = b.hidden_size
-        self.num_heads, self.num_kv_heads, self.head_dim = b.num_heads, b.num_kv_heads, b.head_dim
         # speculators' variants RMS-normalise the features before fc: all at once, or each tapped layer's.
         widths = {"none": [], "joint": [cfg.context_size], "per_layer": [d] * len(cfg.tap_layers)}
         self.feature_norms = nnx.List([RMSNorm(w, b.rms_norm_eps, dtype) for w in widths[cfg.eagle3_feature_norm]])
         self.fc = Linear(cfg.context_size, d, rngs=rngs, dtype=dtype)
+        # The first layer's weights sit on the drafter itself: the one-layer drafters saved before
+        # later layers existed keep their tensor names.
         self.embed_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(d, b.rms_norm_eps, dtype)
-        self.qkv = Linear(2 * d, (b.num_heads + 2 * b.num_kv_heads) * b.head_dim, rngs=rngs, dtype=dtype)
-        self.o = Linear(b.num_heads * b.head_dim, d, rngs=rngs, dtype=dtype)
-        self.q_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
-        self.k_norm = RMSNorm(b.head_dim, b.rms_norm_eps, dtype) if b.qk_norm else None
-        self.post_attn_norm = RMSNorm(d, b.rms_norm_eps, dtype)
-        self.mlp = SwiGLU(d, b.intermediate_size, rngs=rngs, dtype=dtype)
+        self._build_body(b, 2 * d, rngs, dtype)
+        self.later_layers = nnx.List([Eagle3Layer(b, rngs=rngs, dtype=dtype) for _ in range(b.num_layers - 1)])
         self.final_norm = RMSNorm(d, b.rms_norm_eps, dtype)
         # EAGLE-3 proper drafts over a reduced vocabulary; without one, the frozen target head.
         self.draft_head = make_reduced_head(cfg, draft_vocab_ids, rngs, dtype)
@@ -79,34 +129,21 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
     # ---------------------------------------------------------------------------------------
     # shared pieces
 
-    def _rope(self, positions):
+    def _layers(self, g_BxTxD, e_BxTxD, positions_BxT, attend):
+        """The drafter's output for (hidden, embedding) pairs at ``positions``: the next step's
+        hidden state. ``attend(layer, q, k, v)`` is each layer's attention, training's or the cache's.
+
+        The first layer reads ``[RMSNorm(e) ; RMSNorm(g)]``; its residual stream starts from ``g``,
+        or from the normed ``g`` with ``eagle3_norm_before_residual``."""
         b = self.cfg.backbone
-        return rope_cos_sin(positions, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
-
-    def _layer_input(self, g_BxTxD, e_BxTxD):
-        """The attention's input ``[RMSNorm(e) ; RMSNorm(g)]`` and where the residual stream starts:
-        ``g``, or its normed copy with ``eagle3_norm_before_residual``."""
+        cos, sin = rope_cos_sin(positions_BxT, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
         normed = self.hidden_norm(g_BxTxD)
-        residual = normed if self.cfg.eagle3_norm_before_residual else g_BxTxD
-        return jnp.concatenate([self.embed_norm(e_BxTxD), normed], axis=-1), residual
-
-    def _qkv(self, x_BxTx2D, positions_BxT):
-        batch, steps, _ = x_BxTx2D.shape
-        qkv = self.qkv(x_BxTx2D).reshape(batch, steps, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q = qkv[:, :, : self.num_heads]
-        k = qkv[:, :, self.num_heads : self.num_heads + self.num_kv_heads]
-        v = qkv[:, :, self.num_heads + self.num_kv_heads :]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self._rope(positions_BxT)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def _finish(self, residual_BxTxD, attn_BxTxHxD):
-        """The layer's output: the next step's hidden state (normed with ``eagle3_norm_output``)."""
-        batch, steps = attn_BxTxHxD.shape[:2]
-        x = residual_BxTxD + self.o(attn_BxTxHxD.reshape(batch, steps, -1))
-        x = x + self.mlp(self.post_attn_norm(x))
-        return self.final_norm(x) if self.cfg.eagle3_norm_output else x
+        x = jnp.concatenate([self.embed_norm(e_BxTxD), normed], axis=-1)
+        h = self.add_attention_and_mlp(normed if self.cfg.eagle3_norm_before_residual else g_BxTxD,
+                                       attend(0, *self.project_qkv(x, cos, sin)))
+        for index, layer in enumerate(self.later_layers, start=1):
+            h = layer.add_attention_and_mlp(h, attend(index, *layer.project_qkv(layer.input_norm(h), cos, sin)))
+        return self.final_norm(h) if self.cfg.eagle3_norm_output else h
 
     def project_features(self, features_BxTxF):
         if self.feature_norms:
@@ -140,35 +177,29 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         index = jnp.arange(seq)
         causal_SxS = index[None, :] <= index[:, None]
         window = self.cfg.sliding_window
-        groups = self.num_heads // self.num_kv_heads
-        outputs, diag_keys, diag_values = [], [], []
+        num_layers = 1 + len(self.later_layers)
+        base = [None] * num_layers  # per layer: the step-0 keys and values
+        own = [[] for _ in range(num_layers)]  # per layer: the keys and values of steps 1, 2, ...
+        outputs = []
         for k in range(steps):
             shifted = jnp.concatenate(
                 [tokens_BxS[:, k + 1 :], jnp.zeros((batch, k + 1), tokens_BxS.dtype)], axis=1
             )
-            x, residual = self._layer_input(g, jnp.take(embed, shifted, axis=0))
-            q, key, value = self._qkv(x, positions + k)
-            if k == 0:
-                base_k, base_v = key, value
-            else:
-                diag_keys.append(key)
-                diag_values.append(value)
             # A sliding window counts positions, as cached inference sees them: the query at t + k
             # sees step-0 keys after t + k - window and its own keys of steps j > k - window.
             # (speculators' training forward windows the step-0 keys by the index t instead.)
             visible_SxS = causal_SxS if window is None else causal_SxS & (index[None, :] > index[:, None] + k - window)
-            own = [j for j in range(k) if window is None or j + 1 > k - window]  # diag_keys[j]: step j + 1's
-            qg = q.reshape(batch, seq, self.num_kv_heads, groups, self.head_dim)
-            scale = self.head_dim**-0.5
-            base = jnp.einsum("btkgd,bskd->btkgs", qg, base_k).astype(jnp.float32) * scale
-            base = jnp.where(visible_SxS[None, :, None, None, :], base, MASK_VALUE)
-            # Own keys of steps 1..k: one extra score per step, at the same index t.
-            diag = [jnp.einsum("btkgd,btkd->btkg", qg, diag_keys[j]).astype(jnp.float32)[..., None] * scale for j in own]
-            probs = jax.nn.softmax(jnp.concatenate([base, *diag], axis=-1), axis=-1)
-            out = jnp.einsum("btkgs,bskd->btkgd", probs[..., :seq], base_v)
-            for column, j in enumerate(own):
-                out = out + probs[..., seq + column, None] * diag_values[j][:, :, :, None, :]
-            g = self._finish(residual, out.reshape(batch, seq, self.num_heads, self.head_dim))
+            seen = [j for j in range(k) if window is None or j + 1 > k - window]  # own[layer][j]: step j + 1's
+
+            def attend(layer, q, key, value, k=k, visible_SxS=visible_SxS, seen=seen):
+                if k == 0:
+                    base[layer] = key, value
+                else:
+                    own[layer].append((key, value))
+                keys, values = [own[layer][j][0] for j in seen], [own[layer][j][1] for j in seen]
+                return ttt_attention(q, *base[layer], keys, values, visible_SxS)
+
+            g = self._layers(g, jnp.take(embed, shifted, axis=0), positions + k, attend)
             outputs.append(g)
         return jnp.stack(outputs)
 
@@ -177,7 +208,9 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
         shape = (batch, max_len, self.num_kv_heads, self.head_dim)
-        return KVCache((jnp.zeros(shape, dtype),), (jnp.zeros(shape, dtype),), jnp.zeros((batch,), jnp.int32))
+        layers = range(1 + len(self.later_layers))
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in layers), tuple(jnp.zeros(shape, dtype) for _ in layers),
+                       jnp.zeros((batch,), jnp.int32))
 
     def forward_cached(self, g_BxTxD, next_tokens_BxT, embed_VxD, cache: KVCache, n_new_B=None):
         """Run (hidden, next-token) pairs causally after the cache: ``(hidden [B, T, d], cache)``.
@@ -187,14 +220,17 @@ class Eagle3Drafter(ReducedHeadMixin, nnx.Module):
         """
         batch, steps, _ = g_BxTxD.shape
         positions = cache.lengths_B[:, None] + jnp.arange(steps, dtype=jnp.int32)
+        keys, values = list(cache.keys), list(cache.values)
+
+        def attend(layer, q, k, v):
+            keys[layer] = write_cache(keys[layer], k, positions)
+            values[layer] = write_cache(values[layer], v, positions)
+            return cached_attention(q, keys[layer], values[layer], positions, self.cfg.sliding_window)
+
         e = jnp.take(jax.lax.stop_gradient(embed_VxD), next_tokens_BxT, axis=0)
-        x, residual = self._layer_input(g_BxTxD, e)
-        q, k, v = self._qkv(x, positions)
-        keys = write_cache(cache.keys[0], k, positions)
-        values = write_cache(cache.values[0], v, positions)
-        hidden = self._finish(residual, cached_attention(q, keys, values, positions, self.cfg.sliding_window))
+        hidden = self._layers(g_BxTxD, e, positions, attend)
         n_new_B = jnp.full((batch,), steps, jnp.int32) if n_new_B is None else n_new_B
-        return hidden, KVCache((keys,), (values,), cache.lengths_B + n_new_B.astype(jnp.int32))
+        return hidden, KVCache(tuple(keys), tuple(values), cache.lengths_B + n_new_B.astype(jnp.int32))
 
     # ---------------------------------------------------------------------------------------
     # speculative decoding (the SpeculativeDrafter interface, dspark_jax.drafter.interface)

@@ -157,6 +157,13 @@ def cached_attention(
     return out.reshape(batch, steps, num_heads, head_dim)
 
 
+def split_qkv(fused_BxTxN: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
+    """``(q [B, T, H, hd], k [B, T, K, hd], v [B, T, K, hd])`` of a fused q/k/v projection's output."""
+    heads = fused_BxTxN.reshape(*fused_BxTxN.shape[:-1], num_heads + 2 * num_kv_heads, head_dim)
+    v_start = num_heads + num_kv_heads
+    return heads[..., :num_heads, :], heads[..., num_heads:v_start, :], heads[..., v_start:, :]
+
+
 class Attention(nnx.Module):
     """GQA self-attention with fused q/k/v, optional per-head QK-norm (Qwen3) and RoPE."""
 
@@ -180,12 +187,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxTxD, cos, sin, keys, values, positions_BxT):
         batch, steps, _ = x_BxTxD.shape
-        qkv = self.qkv(x_BxTxD).reshape(
-            batch, steps, self.num_heads + 2 * self.num_kv_heads, self.head_dim
-        )
-        q = qkv[:, :, : self.num_heads]
-        k = qkv[:, :, self.num_heads : self.num_heads + self.num_kv_heads]
-        v = qkv[:, :, self.num_heads + self.num_kv_heads :]
+        q, k, v = split_qkv(self.qkv(x_BxTxD), self.num_heads, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
