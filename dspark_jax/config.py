@@ -297,6 +297,10 @@ class DrafterConfig:
     confidence_bias: bool = True
     # Context positions a block sees; for EAGLE-3, positions a query sees, its own included (None: all).
     sliding_window: int | None = None
+    # A block's slots attend to the slots before them and themselves only, not the whole block:
+    # speculators' sliding-window DSpark and DFlash layers (its trainer's default), which vLLM
+    # runs causally too. False: bidirectional within the block (DeepSpec, DFlash).
+    block_causal: bool = False
     draft_vocab_size: int | None = None  # reduced LM head over the top-N target tokens
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -324,7 +328,7 @@ class DrafterConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_int(getattr(self, name), name, "an int or None"))
         for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half", "draft_from_anchor",
-                     "eagle3_norm_before_residual", "eagle3_norm_output"):
+                     "block_causal", "eagle3_norm_before_residual", "eagle3_norm_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("ce_weight", "tv_weight", "confidence_weight", "position_decay", "ttt_step_decay"):
@@ -355,9 +359,12 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
-        if not self.draft_from_anchor and self.kind == "eagle3":
-            raise ValueError("draft_from_anchor=False lays out a block drafter's block (dspark, dflash); the "
-                             "EAGLE-3 drafter drafts step by step")
+        block_options = [f"{name}={getattr(self, name)}" for name, off in (("draft_from_anchor", True),
+                                                                           ("block_causal", False))
+                         if getattr(self, name) != off]
+        if block_options and self.kind == "eagle3":
+            raise ValueError(f"{', '.join(block_options)} shape a block drafter's block (dspark, dflash); the EAGLE-3 "
+                             "drafter drafts step by step")
         if self.eagle3_feature_norm not in EAGLE3_FEATURE_NORMS:
             raise ValueError(f"eagle3_feature_norm must be one of {EAGLE3_FEATURE_NORMS}, got {self.eagle3_feature_norm!r}")
         eagle3_options = [name for name, off in (("eagle3_feature_norm", "none"), ("eagle3_norm_before_residual", False),

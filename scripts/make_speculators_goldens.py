@@ -70,6 +70,15 @@ VARIANTS = {
     "dflash": dict(draft_vocab_size=61, sample_from_anchor=False),
     "zlab": dict(draft_vocab_size=97, sample_from_anchor=False),  # the drafter of the z-lab checkpoint
 }
+# Block drafters whose layers all have sliding windows (speculators' trainer's default) of 8
+# positions, shorter than the sequence: a DSpark one, causal within its block (the default), and a
+# DFlash one whose block stays bidirectional (``sliding_window_non_causal``).
+SLIDING_VARIANTS = {
+    "sliding": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
+                    confidence_head_with_markov=True, draft_vocab_size=97, sliding_window=8),
+    "dflash_sliding": dict(draft_vocab_size=61, sample_from_anchor=False, sliding_window=8,
+                           sliding_window_non_causal=True),
+}
 SEQUENCE = 24
 ANCHORS = 3
 # EAGLE-3 drafters (Eagle3DraftModel): one draft layer, 3 TTT steps. "eagle3" is EAGLE-3 as
@@ -100,10 +109,13 @@ def drafter(name: str, seed: int):
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    variant = VARIANTS[name]
+    variant = dict({**VARIANTS, **SLIDING_VARIANTS}[name])
     algorithm, core, config_class = (("dflash", dflash, DFlashSpeculatorConfig) if "markov_rank" not in variant else
                                      ("dspark", dspark, DSparkSpeculatorConfig))
-    layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS)
+    window = variant.pop("sliding_window", None)
+    sliding = {} if window is None else dict(sliding_window=window, use_sliding_window=True,
+                                             layer_types=["sliding_attention"] * DRAFT_LAYERS)
+    layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS, **sliding)
     layer_config._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path="tiny-qwen3", architectures=["Qwen3ForCausalLM"])
     drafts = COMMON["block_size"] - (0 if variant.get("sample_from_anchor", True) else 1)
@@ -286,13 +298,13 @@ def make_zlab(seed: int) -> dict[str, np.ndarray]:
 def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny verifier is nowhere to download
     arrays = {}
-    for seed, name in enumerate(VARIANTS):
-        outputs = make_zlab(seed) if name == "zlab" else make(name, seed)
+    # Seeds follow the order the variants were added, so a new one leaves the others' files as they were.
+    for seed, name in enumerate([*VARIANTS, *EAGLE3_VARIANTS, *SLIDING_VARIANTS]):
+        outputs = (make_zlab(seed) if name == "zlab" else make_eagle3(name, seed) if name in EAGLE3_VARIANTS
+                   else make(name, seed))
         arrays |= {f"{name}/{key}": value for key, value in outputs.items()}
-    for seed, name in enumerate(EAGLE3_VARIANTS, start=len(VARIANTS)):
-        arrays |= {f"{name}/{key}": value for key, value in make_eagle3(name, seed).items()}
     np.savez_compressed(GOLDEN, **arrays)
-    written = ({name: FIXTURES / name for name in [*VARIANTS, *EAGLE3_VARIANTS] if name != "zlab"}
+    written = ({name: FIXTURES / name for name in [*VARIANTS, *EAGLE3_VARIANTS, *SLIDING_VARIANTS] if name != "zlab"}
                | {"zlab": ZLAB_FIXTURE})
     print(json.dumps({name: sorted(p.name for p in directory.iterdir()) for name, directory in written.items()}))
     return 0

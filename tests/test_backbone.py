@@ -112,11 +112,13 @@ def test_sliding_window_limits_the_context():
     assert np.abs(inside - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("window, from_anchor", [(None, True), (3, True), (None, False)])
-def test_inference_path_equals_training_path(window, from_anchor):
+@pytest.mark.parametrize("window, from_anchor, causal", [(None, True, False), (3, True, False), (None, False, False),
+                                                          (3, False, True)])
+def test_inference_path_equals_training_path(window, from_anchor, causal):
     """extend_context + forward_block (the decode path) == forward_train for the same block, γ
-    drafting slots either way (without ``draft_from_anchor`` the block has one more)."""
-    cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor)
+    drafting slots either way (without ``draft_from_anchor`` the block has one more), its slots
+    seeing the whole block or (``block_causal``) those up to their own."""
+    cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor, block_causal=causal)
     feats = features(cfg, batch=2)
     anchors = jnp.asarray([[7], [4]], jnp.int32)
     tokens = jnp.asarray([[10], [20]], jnp.int32)
@@ -130,6 +132,19 @@ def test_inference_path_equals_training_path(window, from_anchor):
     h = backbone.forward_block(embed, cache, tokens[:, 0])
     assert h.shape == (2, GAMMA, cfg.hidden_size) and cfg.block_slots == GAMMA + (not from_anchor)
     np.testing.assert_allclose(h, trained[:, 0], atol=2e-5, rtol=1e-5)
+
+
+def test_a_causal_block_hides_later_slots_from_earlier_ones():
+    """``block_causal``: the anchor's slot does not see the MASK slots after it, so moving their
+    embedding leaves its output as it was; in a bidirectional block it moves it."""
+    for causal in (True, False):
+        cfg, backbone, embed = make(seed=3, block_causal=causal)
+        train = nnx.jit(lambda m, e, f, a, t, k: m.forward_train(e, f, a, t, k))
+        args = (features(cfg), jnp.asarray([[8]]), jnp.asarray([[10]]), jnp.asarray([[True]]))
+        base = np.asarray(train(backbone, embed, *args))[0, 0]
+        moved = np.asarray(train(backbone, embed.at[cfg.mask_token_id].add(1.0), *args))[0, 0]
+        assert (np.abs(moved[0] - base[0]).max() > 1e-3) != causal, causal
+        assert np.abs(moved[1:] - base[1:]).max() > 1e-3  # the later slots read the moved embedding
 
 
 def test_block_input_uses_the_frozen_embedding_without_gradient():

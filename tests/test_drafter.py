@@ -305,6 +305,11 @@ def test_config_validation():
         DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, eagle3_feature_norm="both")
     with pytest.raises(ValueError, match="eagle3_norm_output must be true or false"):
         DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, eagle3_norm_output="yes")
+    with pytest.raises(ValueError, match="draft_from_anchor=False, block_causal=True shape a block drafter's block "
+                                         r"\(dspark, dflash\); the EAGLE-3 drafter drafts step by step"):
+        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, draft_from_anchor=False, block_causal=True)
+    with pytest.raises(ValueError, match="block_causal must be true or false"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, block_causal=1)
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
 

@@ -43,7 +43,12 @@ def its_target(name: str = "gated", **overrides) -> TargetModel:
 EXPECTED = {"gated": ("gated", True, True, 61, True, "dspark"), "rnn": ("rnn", True, False, None, True, "dspark"),
             "vanilla": ("vanilla", False, False, None, True, "dspark"),
             "gated_after_anchor": ("gated", True, True, None, False, "dspark"),
-            "dflash": ("none", False, False, 61, False, "dflash")}
+            "dflash": ("none", False, False, 61, False, "dflash"),
+            "sliding": ("gated", True, True, None, True, "dspark"),
+            "dflash_sliding": ("none", False, False, 61, False, "dflash")}
+# (sliding_window, block_causal): speculators' sliding-window layers (its trainer's default) see
+# 8 context positions and, unless sliding_window_non_causal, only the slots before them.
+WINDOWS = {"sliding": (8, True), "dflash_sliding": (8, False)}
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -52,11 +57,13 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
     vocabulary for ``gated`` and ``dflash``) and confidence logits, against speculators' own
     forward on the same tapped features and tokens: its layer ids 1 and 3 are our taps 0 and 2.
     Where its block's slot 0 drafts nothing (``sample_from_anchor`` false), 4 slots draft 3 tokens,
-    which are slots 1-3 of speculators' outputs."""
+    which are slots 1-3 of speculators' outputs. The sliding-window ones have an anchor past the
+    window (18: context 10-17)."""
     drafter = load_drafter(FIXTURES / name)
     cfg = drafter.cfg
     assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size,
             cfg.draft_from_anchor, cfg.kind) == EXPECTED[name]
+    assert (cfg.sliding_window, cfg.block_causal) == WINDOWS.get(name, (None, False))
     assert cfg.tap_layers == (0, 2) and cfg.block_slots == 4 and cfg.mask_token_id == 3
     drafts_as_computed(drafter, name)
 
@@ -113,8 +120,9 @@ def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_conve
             load_drafter(directory)
 
 
-@pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash"])
+@pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash", "sliding", "dflash_sliding"])
 def test_a_speculators_drafter_decodes_its_target_losslessly(name):
+    """Greedy, the sliding-window ones running past their 8-position windows."""
     target = its_target(name)
     drafter = load_drafter(FIXTURES / name, target=target)
     prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
@@ -204,7 +212,7 @@ def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load
         (dict(fc_norm=True), "norm_before_fc and fc_norm are both true"),
         (dict(norm_output="yes"), "norm_output is 'yes', not true or false"),
         (dict(layers=dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])),
-         "layer_types .*: dspark-jax's EAGLE-3 layers all attend alike"),
+         "layer_types .*: dspark-jax's draft layers all attend alike"),
         (dict(layers=dict(num_hidden_layers=2)), "1 layer_types for 2 layers: the checkpoint is damaged"),
         (dict(layers=dict(sliding_window=None)), "sliding_window.*the checkpoint is damaged"),
         (dict(speculators_config=dict(default_proposal_method="tree")), "no 'tree' proposal method with "
@@ -261,7 +269,13 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
         (dict(markov_rank=None), "a speculators dspark config without markov_rank: the checkpoint is damaged"),
         (dict(aux_hidden_state_layer_ids=[0, 3]), r"aux_hidden_state_layer_ids has 0 \(the target's embedding output\)"),
         (dict(aux_hidden_state_layer_ids=[1, 4]), "tap layer 3 is the target's final layer"),
-        (dict(layers=dict(layer_types=["sliding_attention", "full_attention"])), "sliding-window draft layers"),
+        (dict(layers=dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
+         r"layer_types .*: dspark-jax's draft layers all attend alike, with full or with sliding-window attention "
+         r"\(speculators' --full-attention-indices mixes them\)"),
+        (dict(layers=dict(layer_types=["sliding_attention"], sliding_window=8)), "1 layer_types for 2 layers: the "
+                                                                                   "checkpoint is damaged"),
+        (dict(layers=dict(layer_types=["sliding_attention"] * 2)), "sliding_window.*the checkpoint is damaged"),
+        (dict(sliding_window_non_causal="yes"), "sliding_window_non_causal is 'yes', not true or false"),
         (dict(layers=dict(attention_bias=True)), "transformer_layer_config: .*attention_bias=true"),
         (dict(target_hidden_size=128), "target_hidden_size 128 differs from the draft layers' 64"),
         (dict(mask_token_id=None), "config without mask_token_id: the checkpoint is damaged"),

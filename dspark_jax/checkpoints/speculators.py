@@ -26,6 +26,14 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   (``speculators_config.verifier``): a target of the same shape is not refused (``trained_for``
   gives None). Its EAGLE-3 drafters keep the copy (``embed_tokens``), whose sketch refuses another
   target as for drafters trained here (not its depth, which the config does not say).
+* Sliding-window layers (``layer_types`` "sliding_attention", every layer by default in
+  speculators' trainer, window 2048): a block sees the ``sliding_window`` context positions
+  before its anchor (our ``sliding_window``, as its training mask has it), and its slots attend
+  causally within the block (our ``block_causal``; vLLM runs such layers causally too) unless
+  ``sliding_window_non_causal`` is true. Full-attention layers see the whole block. vLLM's
+  attention applies the window from each slot's own position, so it leaves out a few of the
+  oldest context keys (at most γ + 1) that the training mask shows; this port follows the
+  training mask.
 
 EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
 ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
@@ -35,18 +43,18 @@ draft as many tokens as the default proposal method's ``speculative_tokens``. Th
 them) take speculators' options: ``norm_before_fc`` or ``fc_norm`` (the features' norms before
 ``fc``), ``norm_before_residual`` (the first layer's), ``norm_output`` and sliding-window layers
 (``layer_types`` "sliding_attention", speculators' training default), read as our ``eagle3_*``
-fields and ``sliding_window``. speculators' training forward windows a later training-time step's query by
-its index, not its position; decoding here windows by position, as a KV cache sees it (the two
-differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
+fields and ``sliding_window``. speculators' training forward windows a later training-time step's
+query by its index, not its position; decoding here windows by position, as a KV cache sees it
+(the two differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
 
 An EAGLE-3 config without layer ids (what ``speculators convert`` writes for the EAGLE authors'
 checkpoints) leaves them to the target, as vLLM and speculators do: hidden states 2, n // 2 and
 n - 3 of an n-layer target (``load_drafter`` with a target; without one it is refused by name).
 
 Refused by name: speculators' other drafters (MTP, ...), a tap of the embedding output (layer id
-0), an EAGLE-3 drafter that trained its own embedding (``embed_requires_grad``) or whose layers mix
-full and sliding-window attention, sliding-window DSpark and DFlash layers, attention biases and a draft width other than the
-target's.
+0), draft layers that mix full and sliding-window attention (its trainer's
+``--full-attention-indices``), an EAGLE-3 drafter that trained its own embedding
+(``embed_requires_grad``), attention biases and a draft width other than the target's.
 """
 
 from __future__ import annotations
@@ -106,11 +114,10 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         raise refuse(f"a speculators {kind} config without {', '.join(missing)}: the checkpoint is damaged")
     # Exports from before speculators had the key (its PR #760) used DFlash's layout, DSpark's too.
     from_anchor = raw.get("sample_from_anchor", False)
-    if not isinstance(from_anchor, bool):
-        raise refuse(f"sample_from_anchor is {from_anchor!r}, not true or false: the checkpoint is damaged")
-    layers = raw["transformer_layer_config"]
-    if not isinstance(layers, dict):
-        raise refuse(f"transformer_layer_config is {layers!r}, not the draft layers' config: the checkpoint is damaged")
+    non_causal = raw.get("sliding_window_non_causal", False)
+    for key, value in (("sample_from_anchor", from_anchor), ("sliding_window_non_causal", non_causal)):
+        if not isinstance(value, bool):
+            raise refuse(f"{key} is {value!r}, not true or false: the checkpoint is damaged")
     try:
         layer_ids = as_ints(raw["aux_hidden_state_layer_ids"], "aux_hidden_state_layer_ids")
         slots, mask, draft_vocab = (as_int(raw[key], key) for key in ("block_size", "mask_token_id", "draft_vocab_size"))
@@ -118,7 +125,9 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     taps = _taps(layer_ids, "aux_hidden_state_layer_ids", refuse)
-    backbone = _draft_layers(raw, layers, refuse)
+    # Sliding-window layers attend causally within a block unless sliding_window_non_causal says
+    # otherwise; full-attention ones bidirectionally (speculators' training mask, vLLM's too).
+    backbone, window = _draft_layers(raw, raw["transformer_layer_config"], refuse)
     if not from_anchor and slots < 2:
         raise refuse(f"block_size {slots} with sample_from_anchor false drafts nothing")
     confidence = bool(raw.get("enable_confidence_head", False))
@@ -127,7 +136,8 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         block_size=slots if from_anchor else slots - 1, draft_from_anchor=from_anchor, markov_rank=rank,
         markov_head_type=raw.get("markov_head_type", "vanilla"), confidence_head=confidence,
         confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
-        draft_vocab_size=draft_vocab if draft_vocab != backbone.vocab_size else None, refuse=refuse), raw
+        draft_vocab_size=draft_vocab if draft_vocab != backbone.vocab_size else None, sliding_window=window,
+        block_causal=window is not None and not non_causal, refuse=refuse), raw
 
 
 def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
@@ -138,13 +148,29 @@ def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
 
 
 def _draft_layers(raw: dict, layers: dict, refuse):
-    """The draft layers' shape from ``transformer_layer_config``, as wide as the target."""
-    backbone = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
+    """``(shape, window)``: the draft layers' shape from ``transformer_layer_config``, as wide as
+    the target, and their sliding window (None: full attention), which all of them must share."""
+    if not isinstance(layers, dict):
+        raise refuse(f"transformer_layer_config is {layers!r}, not the draft layers' config: the checkpoint is damaged")
+    kinds = layers.get("layer_types") or ["full_attention"]
+    if not isinstance(kinds, list) or set(kinds) not in ({"full_attention"}, {"sliding_attention"}):
+        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's draft layers all attend alike, "
+                     "with full or with sliding-window attention (speculators' --full-attention-indices mixes them)")
+    try:
+        window = (as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
+                  if kinds[0] == "sliding_attention" else None)
+    except (TypeError, ValueError) as error:
+        raise refuse(f"{error}: the checkpoint is damaged") from None
+    backbone = draft_layers({k: v for k, v in layers.items() if k not in SLIDING_FIELDS},
+                            lambda reason: refuse(f"transformer_layer_config: {reason}"))
+    if layers.get("layer_types") and len(kinds) != backbone.num_layers:
+        raise refuse(f"transformer_layer_config: {len(kinds)} layer_types for {backbone.num_layers} layers: the "
+                     "checkpoint is damaged")
     width = raw.get("target_hidden_size")
     if width is not None and width != backbone.hidden_size:
         raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
                      "drafters are as wide as their target")
-    return backbone
+    return backbone, window
 
 
 def default_eagle3_layer_ids(target_depth: int) -> list[int]:
@@ -176,26 +202,14 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
     if raw.get("norm_before_fc", False) and raw.get("fc_norm", False):
         raise refuse("norm_before_fc and fc_norm are both true, which speculators does not allow: the checkpoint "
                      "is damaged")
-    layers = raw["transformer_layer_config"]
-    if not isinstance(layers, dict):
-        raise refuse(f"transformer_layer_config is {layers!r}, not the draft layer's config: the checkpoint is damaged")
-    kinds = layers.get("layer_types") or ["full_attention"]
-    if not isinstance(kinds, list) or set(kinds) not in ({"full_attention"}, {"sliding_attention"}):
-        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's EAGLE-3 layers all attend alike, "
-                     "with full or with sliding-window attention")
-    sliding = kinds[0] == "sliding_attention"
     try:
         layer_ids = as_ints(layer_ids, "eagle_aux_hidden_state_layer_ids")
         draft_vocab = as_int(raw["draft_vocab_size"], "draft_vocab_size")
         gamma = _speculative_tokens(raw.get("speculators_config"))
-        window = as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window") if sliding else None
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     taps = _taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
-    backbone = _draft_layers(raw, {k: v for k, v in layers.items() if k not in SLIDING_FIELDS}, refuse)
-    if "layer_types" in layers and layers["layer_types"] is not None and len(kinds) != backbone.num_layers:
-        raise refuse(f"transformer_layer_config: {len(kinds)} layer_types for {backbone.num_layers} layers: the "
-                     "checkpoint is damaged")
+    backbone, window = _draft_layers(raw, raw["transformer_layer_config"], refuse)
     feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
     try:
         return DrafterConfig(

@@ -4,9 +4,9 @@ Tapped target features are concatenated, projected by ``fc`` (no bias) and RMS-n
 context rows ``H_ctx``, which become extra keys/values in **every** draft layer; context rows are
 never queries. A block is ``[anchor, MASK x (γ−1)]`` embedded with the frozen target embedding
 (passed in, never a drafter parameter), and slot ``s`` predicts the token after position
-``anchor + s``. Inside a block attention is bidirectional; a block sees context strictly before its
-anchor (never the anchor's own feature, which does not exist yet at inference) and never another
-block.
+``anchor + s``. Inside a block attention is bidirectional (causal with ``block_causal``); a block
+sees context strictly before its anchor (never the anchor's own feature, which does not exist yet
+at inference) and never another block.
 
 The same layer code serves training (many anchors per sequence, one attention call with an
 explicit mask) and inference (a per-layer context K/V cache appended each round; block K/V are
@@ -140,6 +140,12 @@ class Backbone(nnx.Module):
         b = self.cfg.backbone
         return rope_cos_sin(positions, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
 
+    def _slot_visible(self, slot_Q: jax.Array) -> jax.Array:
+        """``[Q, Q]``: which slots of its block a slot sees: all, or those up to it (``block_causal``)."""
+        if self.cfg.block_causal:
+            return slot_Q[None, :] <= slot_Q[:, None]
+        return jnp.ones((slot_Q.shape[0],) * 2, bool)
+
     def project_context(self, features_BxSxF: jax.Array) -> jax.Array:
         """``H_ctx = RMSNorm(fc · F)`` (spec §1.3)."""
         return self.hidden_norm(self.fc(features_BxSxF))
@@ -178,7 +184,7 @@ class Backbone(nnx.Module):
         keep_BxQ = jnp.repeat(keep_BxA, slots, axis=1)
         ctx_vis = context_visible(jnp.arange(seq), block_anchor_BxQ, self.cfg.sliding_window)
         block_id_Q = jnp.repeat(jnp.arange(num_anchors), slots)
-        blk_vis = block_id_Q[:, None] == block_id_Q[None, :]
+        blk_vis = (block_id_Q[:, None] == block_id_Q[None, :]) & self._slot_visible(slot_Q)
         ctx_vis = ctx_vis & keep_BxQ[..., None]
         blk_vis = blk_vis[None] & keep_BxQ[..., None]
 
@@ -212,7 +218,7 @@ class Backbone(nnx.Module):
         anchor_BxQ = jnp.broadcast_to(cache.lengths_B[:, None], (batch, slots))
         cos, sin = self._rope(anchor_BxQ + jnp.arange(slots))
         ctx_vis = context_visible(jnp.arange(cache.keys[0].shape[1]), anchor_BxQ, self.cfg.sliding_window)
-        blk_vis = jnp.ones((batch, slots, slots), bool)
+        blk_vis = jnp.broadcast_to(self._slot_visible(jnp.arange(slots)), (batch, slots, slots))
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.keys[index], cache.values[index], ctx_vis, blk_vis)
         return self.final_norm(x)[:, slots - self.cfg.block_size:]
