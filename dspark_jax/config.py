@@ -104,10 +104,16 @@ def check_tap_layers(tap_layers, num_layers: int) -> tuple[int, ...]:
 
 def ascending_taps(tap_layers) -> tuple[int, ...]:
     """Tap layer ids as ints, refused unless strictly ascending (``check_tap_layers``)."""
-    taps = as_ints(tap_layers, "tap_layers")
-    if list(taps) != sorted(set(taps)):
-        raise ValueError(f"tap layer ids must be strictly ascending, got {list(taps)}")
-    return taps
+    return ascending_ids(tap_layers, "tap_layers", "tap layer ids")
+
+
+def ascending_ids(values, name: str, what: str | None = None) -> tuple[int, ...]:
+    """Layer ids as ints, refused unless strictly ascending (a repeat, or another order, is not
+    what the ids describe)."""
+    ids = as_ints(values, name)
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"{what or name} must be strictly ascending, got {list(ids)}")
+    return ids
 
 
 def check_context_taps(tap_layers, num_layers: int) -> tuple[int, ...]:
@@ -301,6 +307,9 @@ class DrafterConfig:
     # speculators' sliding-window DSpark and DFlash layers (its trainer's default), which vLLM
     # runs causally too. False: bidirectional within the block (DeepSpec, DFlash).
     block_causal: bool = False
+    # Draft layers that attend as if neither of the two above were set: all context, the whole
+    # block (speculators' ``--full-attention-indices`` among sliding-window layers).
+    full_attention_layers: tuple[int, ...] = ()
     draft_vocab_size: int | None = None  # reduced LM head over the top-N target tokens
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -320,6 +329,8 @@ class DrafterConfig:
         if isinstance(self.backbone, Mapping):
             object.__setattr__(self, "backbone", TargetConfig.from_dict(self.backbone))
         object.__setattr__(self, "tap_layers", ascending_taps(self.tap_layers))
+        object.__setattr__(self, "full_attention_layers", ascending_ids(self.full_attention_layers,
+                                                                        "full_attention_layers"))
         # Exact types, as from a config.json a person may have edited: a float γ or a "false"
         # string would pass the range checks below and fail (or silently mean True) later.
         for name in ("mask_token_id", "block_size", "markov_rank"):
@@ -359,6 +370,14 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.full_attention_layers:
+            if self.sliding_window is None and not self.block_causal:
+                raise ValueError("full_attention_layers exempt layers from sliding_window and block_causal; "
+                                 "neither is set")
+            outside = [i for i in self.full_attention_layers if not 0 <= i < self.backbone.num_layers]
+            if outside:
+                raise ValueError(f"full_attention_layers {outside} are outside the drafter's layers "
+                                 f"0..{self.backbone.num_layers - 1}")
         block_options = [f"{name}={getattr(self, name)}" for name, off in (("draft_from_anchor", True),
                                                                            ("block_causal", False))
                          if getattr(self, name) != off]
@@ -380,6 +399,14 @@ class DrafterConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.position_decay <= 0:
             raise ValueError(f"position_decay must be > 0, got {self.position_decay}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Draft layer ``layer``'s sliding window (None: it sees every position)."""
+        return None if layer in self.full_attention_layers else self.sliding_window
+
+    def layer_block_causal(self, layer: int) -> bool:
+        """Whether draft layer ``layer``'s block slots see only the slots up to their own."""
+        return self.block_causal and layer not in self.full_attention_layers
 
     @property
     def hidden_size(self) -> int:

@@ -20,8 +20,10 @@ converted drafter computes (``zlab/...`` in the goldens).
 For each variant (a gated Markov head over a reduced draft vocabulary, with a confidence head on
 its features; an RNN head with a confidence head on the hidden state alone; a vanilla head with
 no confidence head; a gated head whose block's slot 0 drafts nothing, and a DFlash drafter so,
-over a reduced vocabulary: z-lab DFlash's convention), speculators' config class describes a
-drafter of a tiny Qwen3 target, its ``DSparkDraftModel`` or ``DFlashDraftModel`` is built on it with seeded random weights (norms included) and saved with
+over a reduced vocabulary: z-lab DFlash's convention; and ``SLIDING_VARIANTS``, with sliding-window
+layers), speculators' config class describes a drafter of a tiny Qwen3 target, its
+``DSparkDraftModel`` or ``DFlashDraftModel`` is built on it with random weights (norms
+included; seeded by the variant's name) and saved with
 ``save_pretrained`` (``tests/fixtures/tiny_speculators/<variant>/``: the real format, without the
 target's embedding, as speculators saves it, and without the copy of speculators' config
 source it writes beside). Then its training forward runs on random tapped
@@ -40,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -70,14 +73,18 @@ VARIANTS = {
     "dflash": dict(draft_vocab_size=61, sample_from_anchor=False),
     "zlab": dict(draft_vocab_size=97, sample_from_anchor=False),  # the drafter of the z-lab checkpoint
 }
-# Block drafters whose layers all have sliding windows (speculators' trainer's default) of 8
-# positions, shorter than the sequence: a DSpark one, causal within its block (the default), and a
-# DFlash one whose block stays bidirectional (``sliding_window_non_causal``).
+# Block drafters whose layers have sliding windows of 8 positions, shorter than the sequence: all
+# of them (speculators' trainer's default) in a DSpark one, causal within its block (the default),
+# and in a DFlash one whose block stays bidirectional (``sliding_window_non_causal``); the second
+# of a DSpark one's two (its first a full-attention one: ``--full-attention-indices 0``).
 SLIDING_VARIANTS = {
     "sliding": dict(markov_rank=8, markov_head_type="gated", enable_confidence_head=True,
                     confidence_head_with_markov=True, draft_vocab_size=97, sliding_window=8),
     "dflash_sliding": dict(draft_vocab_size=61, sample_from_anchor=False, sliding_window=8,
                            sliding_window_non_causal=True),
+    "mixed_sliding": dict(markov_rank=8, markov_head_type="vanilla", enable_confidence_head=True,
+                          confidence_head_with_markov=False, draft_vocab_size=97, sliding_window=8,
+                          layer_types=["full_attention", "sliding_attention"]),
 }
 SEQUENCE = 24
 ANCHORS = 3
@@ -90,9 +97,12 @@ EAGLE3_VARIANTS = {
     "eagle3_trained": dict(arch="llama", draft_vocab_size=97, norm_before_residual=True, norm_before_fc=True,
                            norm_output=True, sliding_window=8),
     "eagle3_fc_norm": dict(arch="qwen3", draft_vocab_size=61, fc_norm=True),
-    # Two layers, as vLLM also serves them: the second a plain Qwen3 decoder layer, both windowed.
+    # Two layers, as vLLM also serves them: the second a plain Qwen3 decoder layer; both windowed,
+    # or the second a full-attention one.
     "eagle3_two_layers": dict(arch="qwen3", num_layers=2, draft_vocab_size=61, norm_before_residual=True,
                               norm_output=True, sliding_window=8),
+    "eagle3_mixed": dict(arch="qwen3", num_layers=2, draft_vocab_size=61, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
 }
 TTT_STEPS = 3
 
@@ -112,9 +122,8 @@ def drafter(name: str, seed: int):
     variant = dict({**VARIANTS, **SLIDING_VARIANTS}[name])
     algorithm, core, config_class = (("dflash", dflash, DFlashSpeculatorConfig) if "markov_rank" not in variant else
                                      ("dspark", dspark, DSparkSpeculatorConfig))
-    window = variant.pop("sliding_window", None)
-    sliding = {} if window is None else dict(sliding_window=window, use_sliding_window=True,
-                                             layer_types=["sliding_attention"] * DRAFT_LAYERS)
+    window, kinds = variant.pop("sliding_window", None), variant.pop("layer_types", ["sliding_attention"] * DRAFT_LAYERS)
+    sliding = {} if window is None else dict(sliding_window=window, use_sliding_window=True, layer_types=kinds)
     layer_config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS, **sliding)
     layer_config._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path="tiny-qwen3", architectures=["Qwen3ForCausalLM"])
@@ -212,9 +221,10 @@ def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
 
     variant = dict(EAGLE3_VARIANTS[name])
     arch, window, depth = variant.pop("arch"), variant.pop("sliding_window", None), variant.pop("num_layers", 1)
+    kinds = variant.pop("layer_types", ["sliding_attention"] * depth)
     layer_fields = dict(TARGET, num_hidden_layers=depth)
     if window is not None:
-        layer_fields |= dict(sliding_window=window, use_sliding_window=True, layer_types=["sliding_attention"] * depth)
+        layer_fields |= dict(sliding_window=window, use_sliding_window=True, layer_types=kinds)
     layer_config = (Qwen3Config if arch == "qwen3" else LlamaConfig)(**layer_fields)
     layer_config._attn_implementation = "eager"
     verifier = VerifierConfig(name_or_path="tiny-verifier", architectures=["Qwen3ForCausalLM"])
@@ -298,8 +308,8 @@ def make_zlab(seed: int) -> dict[str, np.ndarray]:
 def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny verifier is nowhere to download
     arrays = {}
-    # Seeds follow the order the variants were added, so a new one leaves the others' files as they were.
-    for seed, name in enumerate([*VARIANTS, *EAGLE3_VARIANTS, *SLIDING_VARIANTS]):
+    for name in [*VARIANTS, *EAGLE3_VARIANTS, *SLIDING_VARIANTS]:
+        seed = zlib.crc32(name.encode())  # each variant's own: adding one leaves the others' files as they were
         outputs = (make_zlab(seed) if name == "zlab" else make_eagle3(name, seed) if name in EAGLE3_VARIANTS
                    else make(name, seed))
         arrays |= {f"{name}/{key}": value for key, value in outputs.items()}

@@ -112,13 +112,16 @@ def test_sliding_window_limits_the_context():
     assert np.abs(inside - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("window, from_anchor, causal", [(None, True, False), (3, True, False), (None, False, False),
-                                                          (3, False, True)])
-def test_inference_path_equals_training_path(window, from_anchor, causal):
+@pytest.mark.parametrize("window, from_anchor, causal, full", [(None, True, False, ()), (3, True, False, ()),
+                                                                (None, False, False, ()), (3, False, True, ()),
+                                                                (3, True, True, (1,))])
+def test_inference_path_equals_training_path(window, from_anchor, causal, full):
     """extend_context + forward_block (the decode path) == forward_train for the same block, γ
     drafting slots either way (without ``draft_from_anchor`` the block has one more), its slots
-    seeing the whole block or (``block_causal``) those up to their own."""
-    cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor, block_causal=causal)
+    seeing the whole block or (``block_causal``) those up to their own, in every layer or all but
+    the ``full_attention_layers``."""
+    cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor, block_causal=causal,
+                                full_attention_layers=full)
     feats = features(cfg, batch=2)
     anchors = jnp.asarray([[7], [4]], jnp.int32)
     tokens = jnp.asarray([[10], [20]], jnp.int32)
@@ -136,14 +139,15 @@ def test_inference_path_equals_training_path(window, from_anchor, causal):
 
 def test_a_causal_block_hides_later_slots_from_earlier_ones():
     """``block_causal``: the anchor's slot does not see the MASK slots after it, so moving their
-    embedding leaves its output as it was; in a bidirectional block it moves it."""
-    for causal in (True, False):
-        cfg, backbone, embed = make(seed=3, block_causal=causal)
+    embedding leaves its output as it was; in a bidirectional block, or through one layer exempt
+    from it (``full_attention_layers``), it moves it."""
+    for causal, full in ((True, ()), (False, ()), (True, (1,))):  # a full-attention layer sees the whole block
+        cfg, backbone, embed = make(seed=3, block_causal=causal, full_attention_layers=full)
         train = nnx.jit(lambda m, e, f, a, t, k: m.forward_train(e, f, a, t, k))
         args = (features(cfg), jnp.asarray([[8]]), jnp.asarray([[10]]), jnp.asarray([[True]]))
         base = np.asarray(train(backbone, embed, *args))[0, 0]
         moved = np.asarray(train(backbone, embed.at[cfg.mask_token_id].add(1.0), *args))[0, 0]
-        assert (np.abs(moved[0] - base[0]).max() > 1e-3) != causal, causal
+        assert (np.abs(moved[0] - base[0]).max() > 1e-3) != (causal and not full), (causal, full)
         assert np.abs(moved[1:] - base[1:]).max() > 1e-3  # the later slots read the moved embedding
 
 

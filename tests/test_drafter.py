@@ -310,6 +310,15 @@ def test_config_validation():
         DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, draft_from_anchor=False, block_causal=True)
     with pytest.raises(ValueError, match="block_causal must be true or false"):
         DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, block_causal=1)
+    with pytest.raises(ValueError, match="full_attention_layers exempt layers from sliding_window and block_causal; "
+                                         "neither is set"):
+        DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, full_attention_layers=(1,))
+    with pytest.raises(ValueError, match=r"full_attention_layers \[2\] are outside the drafter's layers 0..1"):
+        DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, sliding_window=4,
+                                 full_attention_layers=(0, 2))
+    with pytest.raises(ValueError, match=r"full_attention_layers must be strictly ascending, got \[1, 0\]"):
+        DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, sliding_window=4,
+                                 full_attention_layers=(1, 0))
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
 

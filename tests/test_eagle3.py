@@ -65,6 +65,7 @@ VARIANTS = {
                                  eagle3_norm_output=True, sliding_window=3),
     "per_layer_norms": dict(eagle3_feature_norm="per_layer", sliding_window=2),
     "two_layers": dict(num_layers=2, eagle3_norm_before_residual=True, sliding_window=3),
+    "full_second_layer": dict(num_layers=2, sliding_window=2, full_attention_layers=(1,)),
 }
 
 
@@ -104,9 +105,10 @@ def test_speculators_variants_train_as_they_draft(variant):
         assert np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
     # The same weights with one option off: another output (the golden tests in test_speculators
     # check each against speculators' own forward).
-    for option, off in (("sliding_window", None), ("eagle3_norm_before_residual", False), ("eagle3_norm_output", False)):
+    for option, off in (("full_attention_layers", ()), ("sliding_window", None), ("eagle3_norm_before_residual", False),
+                        ("eagle3_norm_output", False)):
         if getattr(cfg, option) != off:
-            other = forward(dataclasses.replace(cfg, **{option: off}))
+            other = forward(dataclasses.replace(cfg, **{option: off, "full_attention_layers": ()}))
             assert np.abs(np.asarray(other - hidden)).max() > 1e-3, option
 
 

@@ -45,10 +45,12 @@ EXPECTED = {"gated": ("gated", True, True, 61, True, "dspark"), "rnn": ("rnn", T
             "gated_after_anchor": ("gated", True, True, None, False, "dspark"),
             "dflash": ("none", False, False, 61, False, "dflash"),
             "sliding": ("gated", True, True, None, True, "dspark"),
-            "dflash_sliding": ("none", False, False, 61, False, "dflash")}
-# (sliding_window, block_causal): speculators' sliding-window layers (its trainer's default) see
-# 8 context positions and, unless sliding_window_non_causal, only the slots before them.
-WINDOWS = {"sliding": (8, True), "dflash_sliding": (8, False)}
+            "dflash_sliding": ("none", False, False, 61, False, "dflash"),
+            "mixed_sliding": ("vanilla", True, False, None, True, "dspark")}
+# (sliding_window, block_causal, full_attention_layers): speculators' sliding-window layers (its
+# trainer's default) see 8 context positions and, unless sliding_window_non_causal, only the slots
+# before them; a full-attention layer among them sees everything.
+WINDOWS = {"sliding": (8, True, ()), "dflash_sliding": (8, False, ()), "mixed_sliding": (8, True, (0,))}
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -57,13 +59,13 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
     vocabulary for ``gated`` and ``dflash``) and confidence logits, against speculators' own
     forward on the same tapped features and tokens: its layer ids 1 and 3 are our taps 0 and 2.
     Where its block's slot 0 drafts nothing (``sample_from_anchor`` false), 4 slots draft 3 tokens,
-    which are slots 1-3 of speculators' outputs. The sliding-window ones have an anchor past the
-    window (18: context 10-17)."""
+    which are slots 1-3 of speculators' outputs. The sliding-window ones have anchors past their
+    windows."""
     drafter = load_drafter(FIXTURES / name)
     cfg = drafter.cfg
     assert (cfg.markov_head, cfg.confidence_head, cfg.confidence_with_markov, cfg.draft_vocab_size,
             cfg.draft_from_anchor, cfg.kind) == EXPECTED[name]
-    assert (cfg.sliding_window, cfg.block_causal) == WINDOWS.get(name, (None, False))
+    assert (cfg.sliding_window, cfg.block_causal, cfg.full_attention_layers) == WINDOWS.get(name, (None, False, ()))
     assert cfg.tap_layers == (0, 2) and cfg.block_slots == 4 and cfg.mask_token_id == 3
     drafts_as_computed(drafter, name)
 
@@ -120,7 +122,8 @@ def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_conve
             load_drafter(directory)
 
 
-@pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash", "sliding", "dflash_sliding"])
+@pytest.mark.parametrize("name", ["gated", "rnn", "gated_after_anchor", "dflash", "sliding", "dflash_sliding",
+                                  "mixed_sliding"])
 def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     """Greedy, the sliding-window ones running past their 8-position windows."""
     target = its_target(name)
@@ -132,11 +135,13 @@ def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     assert got.tokens == want.tokens
 
 
-# (layers, γ, draft_vocab_size, qk_norm, sliding_window, eagle3_feature_norm, norm_before_residual, norm_output)
-EAGLE3 = {"eagle3": (1, 3, 61, True, None, "none", False, False),
-          "eagle3_trained": (1, 3, 97, False, 8, "joint", True, True),
-          "eagle3_fc_norm": (1, 3, 61, True, None, "per_layer", False, False),
-          "eagle3_two_layers": (2, 3, 61, True, 8, "none", True, True)}
+# (layers, γ, draft_vocab_size, qk_norm, sliding_window, full_attention_layers, eagle3_feature_norm,
+#  norm_before_residual, norm_output)
+EAGLE3 = {"eagle3": (1, 3, 61, True, None, (), "none", False, False),
+          "eagle3_trained": (1, 3, 97, False, 8, (), "joint", True, True),
+          "eagle3_fc_norm": (1, 3, 61, True, None, (), "per_layer", False, False),
+          "eagle3_two_layers": (2, 3, 61, True, 8, (), "none", True, True),
+          "eagle3_mixed": (2, 3, 61, True, 8, (1,), "none", False, False)}
 
 
 @pytest.mark.parametrize("name", EAGLE3)
@@ -144,8 +149,9 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
     """The logits of each training-time-test step against speculators' own training forward on
     the same features and tokens (features of position t with token t + 1, as its data pipeline
     aligns them), over its draft vocabulary (all 97 tokens, its own head, for ``eagle3_trained``).
-    ``eagle3_trained`` and ``eagle3_two_layers`` (a plain Qwen3 decoder layer after the first)
-    window 8 positions: step 0 is compared everywhere, so the window is
+    ``eagle3_trained``, ``eagle3_two_layers`` (a plain Qwen3 decoder layer after the first) and
+    ``eagle3_mixed`` (its second layer a full-attention one) window 8 positions: step 0 is
+    compared everywhere, so the window is
     checked where speculators and vLLM agree; a later step k only at t < 8 - k, because past
     there speculators' training forward windows by index where decoding (vLLM's, and ours, in
     training too) windows by position (``checkpoints.speculators``)."""
@@ -153,7 +159,8 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
     cfg = drafter.cfg
     assert (cfg.kind, cfg.tap_layers, cfg.markov_head, cfg.confidence_head) == ("eagle3", (0, 2), "none", False)
     assert (cfg.backbone.num_layers, cfg.block_size, cfg.draft_vocab_size, cfg.backbone.qk_norm, cfg.sliding_window,
-            cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual, cfg.eagle3_norm_output) == EAGLE3[name]
+            cfg.full_attention_layers, cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual,
+            cfg.eagle3_norm_output) == EAGLE3[name]
     np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
     embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
     features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
@@ -211,8 +218,6 @@ def test_a_speculators_eagle3_checkpoint_is_refused_by_name_where_it_cannot_load
         (dict(embed_requires_grad=True), "embed_requires_grad is true: the drafter trained its own token embedding"),
         (dict(fc_norm=True), "norm_before_fc and fc_norm are both true"),
         (dict(norm_output="yes"), "norm_output is 'yes', not true or false"),
-        (dict(layers=dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])),
-         "layer_types .*: dspark-jax's draft layers all attend alike"),
         (dict(layers=dict(num_hidden_layers=2)), "1 layer_types for 2 layers: the checkpoint is damaged"),
         (dict(layers=dict(sliding_window=None)), "sliding_window.*the checkpoint is damaged"),
         (dict(speculators_config=dict(default_proposal_method="tree")), "no 'tree' proposal method with "
@@ -269,9 +274,8 @@ def test_a_speculators_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
         (dict(markov_rank=None), "a speculators dspark config without markov_rank: the checkpoint is damaged"),
         (dict(aux_hidden_state_layer_ids=[0, 3]), r"aux_hidden_state_layer_ids has 0 \(the target's embedding output\)"),
         (dict(aux_hidden_state_layer_ids=[1, 4]), "tap layer 3 is the target's final layer"),
-        (dict(layers=dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)),
-         r"layer_types .*: dspark-jax's draft layers all attend alike, with full or with sliding-window attention "
-         r"\(speculators' --full-attention-indices mixes them\)"),
+        (dict(layers=dict(layer_types=["sliding_attention", "chunked_attention"], sliding_window=8)),
+         r"layer_types .*: a draft layer's attention is full_attention or sliding_attention"),
         (dict(layers=dict(layer_types=["sliding_attention"], sliding_window=8)), "1 layer_types for 2 layers: the "
                                                                                    "checkpoint is damaged"),
         (dict(layers=dict(layer_types=["sliding_attention"] * 2)), "sliding_window.*the checkpoint is damaged"),

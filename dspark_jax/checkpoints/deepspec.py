@@ -146,7 +146,7 @@ def _lifted(raw: dict, projector: str, refuse) -> dict:
 def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, markov_rank: int, markov_head_type,
                    confidence_head: bool, confidence_with_markov: bool, refuse, draft_vocab_size=None,
                    draft_from_anchor: bool = True, sliding_window: int | None = None,
-                   block_causal: bool = False) -> DrafterConfig:
+                   block_causal: bool = False, full_attention_layers: tuple[int, ...] = ()) -> DrafterConfig:
     """Our ``DrafterConfig`` for a DeepSpec-style DSpark drafter (DeepSpec's or speculators') whose
     draft layers have ``backbone``'s shape; ``refuse(reason)`` makes the error naming the file. No
     Markov head and no confidence head is a DFlash drafter, which both run as the same class."""
@@ -157,6 +157,7 @@ def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, marko
         markov_rank=markov_rank, markov_w1_rows="target", confidence_head=confidence_head,
         confidence_with_markov=confidence_with_markov, draft_vocab_size=draft_vocab_size,
         draft_from_anchor=draft_from_anchor, sliding_window=sliding_window, block_causal=block_causal,
+        full_attention_layers=full_attention_layers,
     )
     if markov_rank == 0 and not confidence_head:
         fields |= DFLASH_FIELDS

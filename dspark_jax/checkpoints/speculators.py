@@ -30,7 +30,9 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   speculators' trainer, window 2048): a block sees the ``sliding_window`` context positions
   before its anchor (our ``sliding_window``, as its training mask has it), and its slots attend
   causally within the block (our ``block_causal``; vLLM runs such layers causally too) unless
-  ``sliding_window_non_causal`` is true. Full-attention layers see the whole block. vLLM's
+  ``sliding_window_non_causal`` is true. Full-attention layers among them (its trainer's
+  ``--full-attention-indices``; our ``full_attention_layers``) see all context and the whole
+  block. vLLM's
   attention applies the window from each slot's own position, so it leaves out a few of the
   oldest context keys (at most γ + 1) that the training mask shows; this port follows the
   training mask.
@@ -52,9 +54,8 @@ checkpoints) leaves them to the target, as vLLM and speculators do: hidden state
 n - 3 of an n-layer target (``load_drafter`` with a target; without one it is refused by name).
 
 Refused by name: speculators' other drafters (MTP, ...), a tap of the embedding output (layer id
-0), draft layers that mix full and sliding-window attention (its trainer's
-``--full-attention-indices``), an EAGLE-3 drafter that trained its own embedding
-(``embed_requires_grad``), attention biases and a draft width other than the target's.
+0), an EAGLE-3 drafter that trained its own embedding (``embed_requires_grad``), attention
+biases and a draft width other than the target's.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
     taps = _taps(layer_ids, "aux_hidden_state_layer_ids", refuse)
     # Sliding-window layers attend causally within a block unless sliding_window_non_causal says
     # otherwise; full-attention ones bidirectionally (speculators' training mask, vLLM's too).
-    backbone, window = _draft_layers(raw, raw["transformer_layer_config"], refuse)
+    backbone, window, full = _draft_layers(raw, raw["transformer_layer_config"], refuse)
     if not from_anchor and slots < 2:
         raise refuse(f"block_size {slots} with sample_from_anchor false drafts nothing")
     confidence = bool(raw.get("enable_confidence_head", False))
@@ -137,7 +138,7 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         markov_head_type=raw.get("markov_head_type", "vanilla"), confidence_head=confidence,
         confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
         draft_vocab_size=draft_vocab if draft_vocab != backbone.vocab_size else None, sliding_window=window,
-        block_causal=window is not None and not non_causal, refuse=refuse), raw
+        block_causal=window is not None and not non_causal, full_attention_layers=full, refuse=refuse), raw
 
 
 def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
@@ -148,29 +149,33 @@ def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
 
 
 def _draft_layers(raw: dict, layers: dict, refuse):
-    """``(shape, window)``: the draft layers' shape from ``transformer_layer_config``, as wide as
-    the target, and their sliding window (None: full attention), which all of them must share."""
+    """``(shape, window, full)``: the draft layers' shape from ``transformer_layer_config``, as
+    wide as the target, the sliding window of its sliding-window layers (None: there are none),
+    and the full-attention layers among them (``DrafterConfig.full_attention_layers``)."""
     if not isinstance(layers, dict):
         raise refuse(f"transformer_layer_config is {layers!r}, not the draft layers' config: the checkpoint is damaged")
-    kinds = layers.get("layer_types") or ["full_attention"]
-    if not isinstance(kinds, list) or set(kinds) not in ({"full_attention"}, {"sliding_attention"}):
-        raise refuse(f"transformer_layer_config: layer_types {kinds}: dspark-jax's draft layers all attend alike, "
-                     "with full or with sliding-window attention (speculators' --full-attention-indices mixes them)")
-    try:
-        window = (as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
-                  if kinds[0] == "sliding_attention" else None)
-    except (TypeError, ValueError) as error:
-        raise refuse(f"{error}: the checkpoint is damaged") from None
     backbone = draft_layers({k: v for k, v in layers.items() if k not in SLIDING_FIELDS},
                             lambda reason: refuse(f"transformer_layer_config: {reason}"))
-    if layers.get("layer_types") and len(kinds) != backbone.num_layers:
+    kinds = layers.get("layer_types") or ["full_attention"] * backbone.num_layers
+    if not isinstance(kinds, list) or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise refuse(f"transformer_layer_config: layer_types {kinds}: a draft layer's attention is full_attention "
+                     "or sliding_attention")
+    if len(kinds) != backbone.num_layers:
         raise refuse(f"transformer_layer_config: {len(kinds)} layer_types for {backbone.num_layers} layers: the "
                      "checkpoint is damaged")
+    if "sliding_attention" not in kinds:
+        window, full = None, ()
+    else:
+        try:
+            window = as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
+        except (TypeError, ValueError) as error:
+            raise refuse(f"{error}: the checkpoint is damaged") from None
+        full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
     width = raw.get("target_hidden_size")
     if width is not None and width != backbone.hidden_size:
         raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
                      "drafters are as wide as their target")
-    return backbone, window
+    return backbone, window, full
 
 
 def default_eagle3_layer_ids(target_depth: int) -> list[int]:
@@ -209,12 +214,12 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     taps = _taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
-    backbone, window = _draft_layers(raw, raw["transformer_layer_config"], refuse)
+    backbone, window, full = _draft_layers(raw, raw["transformer_layer_config"], refuse)
     feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
     try:
         return DrafterConfig(
             **EAGLE3_FIELDS, backbone=backbone, tap_layers=taps, block_size=gamma, sliding_window=window,
-            mask_token_id=0,  # EAGLE-3 drafts without a mask token
+            full_attention_layers=full, mask_token_id=0,  # EAGLE-3 drafts without a mask token
             draft_vocab_size=draft_vocab,
             eagle3_feature_norm=feature_norm, eagle3_norm_before_residual=raw.get("norm_before_residual", False),
             eagle3_norm_output=raw.get("norm_output", False))

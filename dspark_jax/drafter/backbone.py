@@ -140,11 +140,14 @@ class Backbone(nnx.Module):
         b = self.cfg.backbone
         return rope_cos_sin(positions, rope_inverse_frequencies(b.head_dim, b.rope_theta, b.rope_scaling))
 
-    def _slot_visible(self, slot_Q: jax.Array) -> jax.Array:
-        """``[Q, Q]``: which slots of its block a slot sees: all, or those up to it (``block_causal``)."""
-        if self.cfg.block_causal:
-            return slot_Q[None, :] <= slot_Q[:, None]
-        return jnp.ones((slot_Q.shape[0],) * 2, bool)
+    def _visible(self, layer: int, ctx_positions_S, anchors_BxQ, slot_Q):
+        """What draft layer ``layer``'s block queries see: ``(context [B, Q, S], slots [Q, Q])``,
+        the context before the anchor (within its window) and the slots of the same block (all,
+        or those up to the query's own with ``block_causal``)."""
+        ctx = context_visible(ctx_positions_S, anchors_BxQ, self.cfg.layer_window(layer))
+        if self.cfg.layer_block_causal(layer):
+            return ctx, slot_Q[None, :] <= slot_Q[:, None]
+        return ctx, jnp.ones((slot_Q.shape[0],) * 2, bool)
 
     def project_context(self, features_BxSxF: jax.Array) -> jax.Array:
         """``H_ctx = RMSNorm(fc · F)`` (spec §1.3)."""
@@ -182,13 +185,13 @@ class Backbone(nnx.Module):
         slot_Q = jnp.tile(jnp.arange(slots), num_anchors)
         cos, sin = self._rope(block_anchor_BxQ + slot_Q)
         keep_BxQ = jnp.repeat(keep_BxA, slots, axis=1)
-        ctx_vis = context_visible(jnp.arange(seq), block_anchor_BxQ, self.cfg.sliding_window)
         block_id_Q = jnp.repeat(jnp.arange(num_anchors), slots)
-        blk_vis = (block_id_Q[:, None] == block_id_Q[None, :]) & self._slot_visible(slot_Q)
-        ctx_vis = ctx_vis & keep_BxQ[..., None]
-        blk_vis = blk_vis[None] & keep_BxQ[..., None]
+        same_block_QxQ = block_id_Q[:, None] == block_id_Q[None, :]
 
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            ctx_vis, slot_vis = self._visible(index, jnp.arange(seq), block_anchor_BxQ, slot_Q)
+            ctx_vis = ctx_vis & keep_BxQ[..., None]
+            blk_vis = (same_block_QxQ & slot_vis)[None] & keep_BxQ[..., None]
             k_ctx, v_ctx = layer.keys_values(ctx, ctx_cos, ctx_sin)
             x = layer(x, cos, sin, k_ctx, v_ctx, ctx_vis, blk_vis)
         return self.final_norm(x).reshape(batch, num_anchors, slots, -1)[:, :, slots - self.cfg.block_size:]
@@ -217,8 +220,8 @@ class Backbone(nnx.Module):
         x = self.embed_blocks(embed_VxD, anchor_tokens_B)
         anchor_BxQ = jnp.broadcast_to(cache.lengths_B[:, None], (batch, slots))
         cos, sin = self._rope(anchor_BxQ + jnp.arange(slots))
-        ctx_vis = context_visible(jnp.arange(cache.keys[0].shape[1]), anchor_BxQ, self.cfg.sliding_window)
-        blk_vis = jnp.broadcast_to(self._slot_visible(jnp.arange(slots)), (batch, slots, slots))
         for index, layer in enumerate(self.layers):
+            ctx_vis, slot_vis = self._visible(index, jnp.arange(cache.keys[0].shape[1]), anchor_BxQ, jnp.arange(slots))
+            blk_vis = jnp.broadcast_to(slot_vis, (batch, slots, slots))
             x = layer(x, cos, sin, cache.keys[index], cache.values[index], ctx_vis, blk_vis)
         return self.final_norm(x)[:, slots - self.cfg.block_size:]

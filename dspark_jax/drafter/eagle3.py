@@ -176,7 +176,6 @@ class Eagle3Drafter(ReducedHeadMixin, _LayerBody, nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
         index = jnp.arange(seq)
         causal_SxS = index[None, :] <= index[:, None]
-        window = self.cfg.sliding_window
         num_layers = 1 + len(self.later_layers)
         base = [None] * num_layers  # per layer: the step-0 keys and values
         own = [[] for _ in range(num_layers)]  # per layer: the keys and values of steps 1, 2, ...
@@ -185,17 +184,18 @@ class Eagle3Drafter(ReducedHeadMixin, _LayerBody, nnx.Module):
             shifted = jnp.concatenate(
                 [tokens_BxS[:, k + 1 :], jnp.zeros((batch, k + 1), tokens_BxS.dtype)], axis=1
             )
-            # A sliding window counts positions, as cached inference sees them: the query at t + k
-            # sees step-0 keys after t + k - window and its own keys of steps j > k - window.
-            # (speculators' training forward windows the step-0 keys by the index t instead.)
-            visible_SxS = causal_SxS if window is None else causal_SxS & (index[None, :] > index[:, None] + k - window)
-            seen = [j for j in range(k) if window is None or j + 1 > k - window]  # own[layer][j]: step j + 1's
 
-            def attend(layer, q, key, value, k=k, visible_SxS=visible_SxS, seen=seen):
+            def attend(layer, q, key, value, k=k):
                 if k == 0:
                     base[layer] = key, value
                 else:
                     own[layer].append((key, value))
+                # A sliding window counts positions, as cached inference sees them: the query at
+                # t + k sees step-0 keys after t + k - window and its own keys of steps j > k - window.
+                # (speculators' training forward windows the step-0 keys by the index t instead.)
+                window = self.cfg.layer_window(layer)
+                visible_SxS = causal_SxS if window is None else causal_SxS & (index[None, :] > index[:, None] + k - window)
+                seen = [j for j in range(k) if window is None or j + 1 > k - window]  # own[layer][j]: step j + 1's
                 keys, values = [own[layer][j][0] for j in seen], [own[layer][j][1] for j in seen]
                 return ttt_attention(q, *base[layer], keys, values, visible_SxS)
 
@@ -225,7 +225,7 @@ class Eagle3Drafter(ReducedHeadMixin, _LayerBody, nnx.Module):
         def attend(layer, q, k, v):
             keys[layer] = write_cache(keys[layer], k, positions)
             values[layer] = write_cache(values[layer], v, positions)
-            return cached_attention(q, keys[layer], values[layer], positions, self.cfg.sliding_window)
+            return cached_attention(q, keys[layer], values[layer], positions, self.cfg.layer_window(layer))
 
         e = jnp.take(jax.lax.stop_gradient(embed_VxD), next_tokens_BxT, axis=0)
         hidden = self._layers(g_BxTxD, e, positions, attend)
