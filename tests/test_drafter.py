@@ -1,6 +1,7 @@
 """The assembled DSpark / DFlash drafter: construction, validation, objective, proposal."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -321,6 +322,10 @@ def test_config_validation():
                                  full_attention_layers=(1, 0))
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+    # Through config.json, where the layer ids become a list.
+    windowed = DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, sliding_window=4,
+                                        block_causal=True, full_attention_layers=(1,))
+    assert DrafterConfig.from_dict(json.loads(json.dumps(windowed.to_dict()))) == windowed
 
 
 def test_drafter_for_the_embedded_target(embedded_target):

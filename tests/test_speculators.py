@@ -151,10 +151,9 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
     aligns them), over its draft vocabulary (all 97 tokens, its own head, for ``eagle3_trained``).
     ``eagle3_trained``, ``eagle3_two_layers`` (a plain Qwen3 decoder layer after the first) and
     ``eagle3_mixed`` (its second layer a full-attention one) window 8 positions: step 0 is
-    compared everywhere, so the window is
-    checked where speculators and vLLM agree; a later step k only at t < 8 - k, because past
-    there speculators' training forward windows by index where decoding (vLLM's, and ours, in
-    training too) windows by position (``checkpoints.speculators``)."""
+    compared everywhere, so the window is checked where speculators and vLLM agree; a later step
+    k only at t < 8 - k, because past there speculators' training forward windows by index where
+    decoding (vLLM's, and ours, in training too) windows by position (``checkpoints.speculators``)."""
     drafter = load_drafter(FIXTURES / name, target=its_target(name))
     cfg = drafter.cfg
     assert (cfg.kind, cfg.tap_layers, cfg.markov_head, cfg.confidence_head) == ("eagle3", (0, 2), "none", False)

@@ -32,10 +32,9 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   causally within the block (our ``block_causal``; vLLM runs such layers causally too) unless
   ``sliding_window_non_causal`` is true. Full-attention layers among them (its trainer's
   ``--full-attention-indices``; our ``full_attention_layers``) see all context and the whole
-  block. vLLM's
-  attention applies the window from each slot's own position, so it leaves out a few of the
-  oldest context keys (at most γ + 1) that the training mask shows; this port follows the
-  training mask.
+  block. vLLM's attention applies the window from each slot's own position, so it leaves out a
+  few of the oldest context keys (at most γ + 1) that the training mask shows; this port follows
+  the training mask.
 
 EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
 ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
@@ -44,8 +43,9 @@ draft as many tokens as the default proposal method's ``speculative_tokens``. Th
 (one by default; more are plain decoder layers after the first, as speculators and vLLM stack
 them) take speculators' options: ``norm_before_fc`` or ``fc_norm`` (the features' norms before
 ``fc``), ``norm_before_residual`` (the first layer's), ``norm_output`` and sliding-window layers
-(``layer_types`` "sliding_attention", speculators' training default), read as our ``eagle3_*``
-fields and ``sliding_window``. speculators' training forward windows a later training-time step's
+(``layer_types`` "sliding_attention", speculators' training default; full-attention ones among
+them as above), read as our ``eagle3_*`` fields, ``sliding_window`` and
+``full_attention_layers``. speculators' training forward windows a later training-time step's
 query by its index, not its position; decoding here windows by position, as a KV cache sees it
 (the two differ only past ``sliding_window`` tokens, by the few keys at the window's edge).
 
