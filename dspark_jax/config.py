@@ -378,16 +378,14 @@ class DrafterConfig:
             if outside:
                 raise ValueError(f"full_attention_layers {outside} are outside the drafter's layers "
                                  f"0..{self.backbone.num_layers - 1}")
-        block_options = [f"{name}={getattr(self, name)}" for name, off in (("draft_from_anchor", True),
-                                                                           ("block_causal", False))
-                         if getattr(self, name) != off]
+        block_options = self._changed(draft_from_anchor=True, block_causal=False)
         if block_options and self.kind == "eagle3":
-            raise ValueError(f"{', '.join(block_options)} shape a block drafter's block (dspark, dflash); the EAGLE-3 "
-                             "drafter drafts step by step")
+            raise ValueError(f"{', '.join(f'{name}={getattr(self, name)}' for name in block_options)} shape a block "
+                             "drafter's block (dspark, dflash); the EAGLE-3 drafter drafts step by step")
         if self.eagle3_feature_norm not in EAGLE3_FEATURE_NORMS:
             raise ValueError(f"eagle3_feature_norm must be one of {EAGLE3_FEATURE_NORMS}, got {self.eagle3_feature_norm!r}")
-        eagle3_options = [name for name, off in (("eagle3_feature_norm", "none"), ("eagle3_norm_before_residual", False),
-                                                 ("eagle3_norm_output", False)) if getattr(self, name) != off]
+        eagle3_options = self._changed(eagle3_feature_norm="none", eagle3_norm_before_residual=False,
+                                       eagle3_norm_output=False)
         if eagle3_options and self.kind != "eagle3":
             raise ValueError(f"{', '.join(eagle3_options)} shape an EAGLE-3 drafter's layer, not a {self.kind} one")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.backbone.vocab_size:
@@ -399,6 +397,10 @@ class DrafterConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.position_decay <= 0:
             raise ValueError(f"position_decay must be > 0, got {self.position_decay}")
+
+    def _changed(self, **defaults) -> list[str]:
+        """The fields among ``defaults`` set to something other than their default."""
+        return [name for name, default in defaults.items() if getattr(self, name) != default]
 
     def layer_window(self, layer: int) -> int | None:
         """Draft layer ``layer``'s sliding window (None: it sees every position)."""
