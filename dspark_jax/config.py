@@ -310,6 +310,11 @@ class DrafterConfig:
     # Draft layers that attend as if neither of the two above were set: all context, the whole
     # block (speculators' ``--full-attention-indices`` among sliding-window layers).
     full_attention_layers: tuple[int, ...] = ()
+    # Where a block drafter's sliding window is counted from. False: the block's anchor (the
+    # ``sliding_window`` context positions before it, speculators' training mask). True: each
+    # slot's own position p, itself included (positions p - sliding_window + 1 .. p, the block's
+    # slots among them), as z-lab DFlash and vLLM run sliding-window layers.
+    window_per_slot: bool = False
     draft_vocab_size: int | None = None  # reduced LM head over the top-N target tokens
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -339,7 +344,7 @@ class DrafterConfig:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, as_int(getattr(self, name), name, "an int or None"))
         for name in ("confidence_head", "confidence_with_markov", "confidence_bias", "tv_half", "draft_from_anchor",
-                     "block_causal", "eagle3_norm_before_residual", "eagle3_norm_output"):
+                     "block_causal", "window_per_slot", "eagle3_norm_before_residual", "eagle3_norm_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("ce_weight", "tv_weight", "confidence_weight", "position_decay", "ttt_step_decay"):
@@ -378,7 +383,9 @@ class DrafterConfig:
             if outside:
                 raise ValueError(f"full_attention_layers {outside} are outside the drafter's layers "
                                  f"0..{self.backbone.num_layers - 1}")
-        block_options = self._changed(draft_from_anchor=True, block_causal=False)
+        if self.window_per_slot and self.sliding_window is None:
+            raise ValueError("window_per_slot says where the sliding window is counted from; sliding_window is not set")
+        block_options = self._changed(draft_from_anchor=True, block_causal=False, window_per_slot=False)
         if block_options and self.kind == "eagle3":
             raise ValueError(f"{', '.join(f'{name}={getattr(self, name)}' for name in block_options)} shape a block "
                              "drafter's block (dspark, dflash); the EAGLE-3 drafter drafts step by step")

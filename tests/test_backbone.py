@@ -13,9 +13,10 @@ from tests.tiny import tiny_config
 GAMMA, SEQ = 4, 12
 
 
-def make(seed=0, **kw):
+def make(seed=0, num_layers=2, **kw):
     target = tiny_config(qk_norm=True, num_layers=4)
-    cfg = DrafterConfig.for_target(target, num_layers=2, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA, **kw)
+    cfg = DrafterConfig.for_target(target, num_layers=num_layers, tap_layers=(0, 2), mask_token_id=5, block_size=GAMMA,
+                                   **kw)
     backbone = Backbone(cfg, rngs=nnx.Rngs(seed))
     embed = jax.random.normal(jax.random.PRNGKey(seed + 1), (cfg.vocab_size, cfg.hidden_size))
     return cfg, backbone, embed
@@ -112,16 +113,33 @@ def test_sliding_window_limits_the_context():
     assert np.abs(inside - base).max() > 1e-3
 
 
-@pytest.mark.parametrize("window, from_anchor, causal, full", [(None, True, False, ()), (3, True, False, ()),
-                                                                (None, False, False, ()), (3, False, True, ()),
-                                                                (3, True, True, (1,))])
-def test_inference_path_equals_training_path(window, from_anchor, causal, full):
+def test_a_per_slot_window_counts_back_from_each_slot():
+    """``window_per_slot`` (z-lab DFlash's sliding layers): a slot at position p sees the context
+    and the block's slots from p - window + 1 on. One layer, window 3, anchor 8: slot 0 sees
+    context positions 6 and 7, slot 1 only 7, slots 2 and 3 none; slot 3 does not see slot 0."""
+    cfg, backbone, embed = make(seed=4, num_layers=1, sliding_window=3, window_per_slot=True)
+    train = nnx.jit(lambda m, e, f, a, t, k: m.forward_train(e, f, a, t, k))
+    feats = features(cfg)
+    args = (jnp.asarray([[8]]), jnp.asarray([[10]]), jnp.asarray([[True]]))
+    base = np.asarray(train(backbone, embed, feats, *args))[0, 0]
+    for position, seen_by in ((5, []), (6, [0]), (7, [0, 1])):
+        moved = np.asarray(train(backbone, embed, perturbed(feats, position), *args))[0, 0]
+        changed = [s for s in range(GAMMA) if np.abs(moved[s] - base[s]).max() > 1e-4]
+        assert changed == seen_by, (position, changed)
+    moved = np.asarray(train(backbone, embed.at[10].add(1.0), feats, *args))[0, 0]  # the anchor's token
+    assert [s for s in range(GAMMA) if np.abs(moved[s] - base[s]).max() > 1e-4] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("window, from_anchor, causal, full, per_slot", [
+    (None, True, False, (), False), (3, True, False, (), False), (None, False, False, (), False),
+    (3, False, True, (), False), (3, True, True, (1,), False), (3, False, True, (), True), (2, True, False, (0,), True)])
+def test_inference_path_equals_training_path(window, from_anchor, causal, full, per_slot):
     """extend_context + forward_block (the decode path) == forward_train for the same block, γ
     drafting slots either way (without ``draft_from_anchor`` the block has one more), its slots
     seeing the whole block or (``block_causal``) those up to their own, in every layer or all but
-    the ``full_attention_layers``."""
+    the ``full_attention_layers``, the window counted from the anchor or from each slot."""
     cfg, backbone, embed = make(seed=2, sliding_window=window, draft_from_anchor=from_anchor, block_causal=causal,
-                                full_attention_layers=full)
+                                full_attention_layers=full, window_per_slot=per_slot)
     feats = features(cfg, batch=2)
     anchors = jnp.asarray([[7], [4]], jnp.int32)
     tokens = jnp.asarray([[10], [20]], jnp.int32)

@@ -18,10 +18,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax.checkpoints.drafter import load_drafter, read_drafter_config
-from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
-from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.models.target import TargetModel
-from tests.tiny import tiny_target
+from tests.tiny import assert_decodes_losslessly, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_deepspec"
 GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_deepspec.npz")
@@ -73,12 +71,7 @@ def test_a_deepspec_checkpoint_drafts_what_deepspec_drafted(name):
 
 def test_a_deepspec_drafter_decodes_its_target_losslessly():
     target = its_target("gated")
-    drafter = load_drafter(FIXTURES / "gated", target=target)
-    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
-    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
-    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size)).generate(
-        prompts, max_new_tokens=12)
-    assert got.tokens == want.tokens
+    assert_decodes_losslessly(target, load_drafter(FIXTURES / "gated", target=target))
 
 
 def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_path, monkeypatch):
@@ -109,7 +102,10 @@ def test_a_deepspec_drafter_refuses_another_target_and_names_what_is_wrong(tmp_p
         (dict(architectures=["DSparkDraftModel"]), None, r"architecture \['DSparkDraftModel'\]"),
         (dict(target_layer_ids=[-1, 2]), None, "target_layer_ids has -1"),
         (dict(block_size="seven"), None, "block_size.*the checkpoint is damaged"),
-        (dict(layer_types=["sliding_attention", "full_attention"]), None, "sliding-window draft layers"),
+        (dict(layer_types=["sliding_attention", "full_attention"]), None, "sliding-window draft layers are not "
+                                                                         "supported in Qwen3DSparkModel checkpoints"),
+        (dict(is_causal=True), None, "is_causal true: a Qwen3DSparkModel attends within a block bidirectionally"),
+        (dict(output_multiplier=2), None, "output_multiplier 2: z-lab's code scales"),
         (dict(target_layer_ids=[0, 3]), None, "tap layer 3 is the target's final layer"),
         (None, "markov_head.gate_proj.bias", r"missing \['markov_head.gate_proj.bias'\]"),
         (dict(markov_head_type="vanilla"), None, r"unexpected \['markov_head.gate_proj.bias', "

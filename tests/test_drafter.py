@@ -320,11 +320,19 @@ def test_config_validation():
     with pytest.raises(ValueError, match=r"full_attention_layers must be strictly ascending, got \[1, 0\]"):
         DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, sliding_window=4,
                                  full_attention_layers=(1, 0))
+    with pytest.raises(ValueError, match="window_per_slot says where the sliding window is counted from; "
+                                         "sliding_window is not set"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, window_per_slot=True)
+    with pytest.raises(ValueError, match="window_per_slot=True shape a block drafter's block"):
+        DrafterConfig.eagle3(TARGET, tap_layers=(0,), mask_token_id=5, sliding_window=4, window_per_slot=True)
+    with pytest.raises(ValueError, match="window_per_slot must be true or false"):
+        DrafterConfig.for_target(TARGET, num_layers=1, tap_layers=(0,), mask_token_id=5, sliding_window=4,
+                                 window_per_slot="yes")
     cfg, _ = make()
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
     # Through config.json, where the layer ids become a list.
     windowed = DrafterConfig.for_target(TARGET, num_layers=2, tap_layers=(0,), mask_token_id=5, sliding_window=4,
-                                        block_causal=True, full_attention_layers=(1,))
+                                        block_causal=True, full_attention_layers=(1,), window_per_slot=True)
     assert DrafterConfig.from_dict(json.loads(json.dumps(windowed.to_dict()))) == windowed
 
 

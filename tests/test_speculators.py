@@ -21,11 +21,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax.checkpoints.drafter import drafter_tensors, load_drafter, read_drafter_config
-from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
-from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.models.target import TargetModel
 from tests.test_deepspec import SHAPE
-from tests.tiny import tiny_target
+from tests.tiny import assert_decodes_losslessly, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_speculators"
 ZLAB = Path(__file__).parent / "fixtures" / "tiny_zlab_dflash"  # z-lab's DFlash layout (the script's make_zlab)
@@ -106,11 +104,7 @@ def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_conve
     assert (cfg.kind, cfg.markov_head, cfg.confidence_head, cfg.draft_vocab_size) == ("dflash", "none", False, None)
     assert (cfg.tap_layers, cfg.block_size, cfg.block_slots, cfg.draft_from_anchor) == ((0, 2), 3, 4, False)
     drafts_as_computed(drafter, "zlab")
-    target = its_target("zlab")
-    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
-    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
-    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12)
-    assert got.tokens == want.tokens
+    assert_decodes_losslessly(its_target("zlab"), drafter)
     for nested, message in ((dict(projector_type="dspark"), r"projector_type 'dspark': a DFlashDraftModel is read as "
                                                              "projector_type 'dflash'"),
                             (dict(mask_token_id=None), "without mask_token_id: the checkpoint is damaged")):
@@ -127,12 +121,7 @@ def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_conve
 def test_a_speculators_drafter_decodes_its_target_losslessly(name):
     """Greedy, the sliding-window ones running past their 8-position windows."""
     target = its_target(name)
-    drafter = load_drafter(FIXTURES / name, target=target)
-    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
-    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
-    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size)).generate(
-        prompts, max_new_tokens=12)
-    assert got.tokens == want.tokens
+    assert_decodes_losslessly(target, load_drafter(FIXTURES / name, target=target))
 
 
 # (layers, γ, draft_vocab_size, qk_norm, sliding_window, full_attention_layers, eagle3_feature_norm,
@@ -182,11 +171,7 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
 def test_a_speculators_eagle3_drafter_decodes_its_target_losslessly(name):
     """Greedy, running past the 8-position windows."""
     target = its_target(name)
-    drafter = load_drafter(FIXTURES / name, target=target)
-    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
-    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
-    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12)
-    assert got.tokens == want.tokens
+    assert_decodes_losslessly(target, load_drafter(FIXTURES / name, target=target))
 
 
 def test_an_eagle3_config_without_layer_ids_taps_what_vllm_taps_of_its_target(tmp_path):
@@ -200,10 +185,7 @@ def test_an_eagle3_config_without_layer_ids_taps_what_vllm_taps_of_its_target(tm
     drafter = load_drafter(directory, target=target)
     assert drafter.cfg.tap_layers == (1, 3, 4)
     assert read_drafter_config(directory, target)[0] == drafter.cfg
-    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
-    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=12)
-    assert SpeculativeDecoder(target, drafter, policy=FixedPolicy(3)).generate(prompts, max_new_tokens=12).tokens \
-        == want.tokens
+    assert_decodes_losslessly(target, drafter)
     with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on "
                                          r"the target's depth n \(vLLM takes its hidden states 2, n // 2 and n - 3\): "
                                          "load it with its target"):

@@ -5,6 +5,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.config import TargetConfig
+from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.speculative import FixedPolicy, SpeculativeDecoder
 from dspark_jax.models.target import TargetModel, Transformer
 
 
@@ -121,3 +123,13 @@ def write_gguf(path, cfg, tensors, *, arch=None, qtype=None, tokens=None, metada
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def assert_decodes_losslessly(target: TargetModel, drafter, max_new_tokens: int = 12) -> None:
+    """Greedy speculative decoding of two short prompts, verifying γ drafts a round, gives the
+    target's own greedy tokens."""
+    prompts = [[5, 17, 23, 42, 8], [60, 2, 71]]
+    want = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=max_new_tokens)
+    got = SpeculativeDecoder(target, drafter, policy=FixedPolicy(drafter.cfg.block_size)).generate(
+        prompts, max_new_tokens=max_new_tokens)
+    assert got.tokens == want.tokens

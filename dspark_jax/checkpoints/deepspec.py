@@ -21,10 +21,15 @@ to the top level, as vLLM does. z-lab's DFlash drafters (``DFlashDraftModel``, `
 with ``target_layer_ids`` and ``mask_token_id``) are the same layers without heads, whose block
 slot 0 holds the anchor and drafts nothing: ``block_size`` slots draft ``block_size - 1`` tokens
 (``draft_from_anchor=False``). Either may leave out the copies of the target's embedding and
-head; it then records nothing of its target.
+head; it then records nothing of its target. z-lab's layers attend as its code and vLLM run
+them: a ``sliding_attention`` layer causally within its block, over the ``sliding_window``
+positions up to each slot's own (``window_per_slot``), a ``full_attention`` layer
+bidirectionally, unless ``is_causal`` (or vLLM's older ``causal``) states every layer's.
 
 Refused by name: other architectures (Gemma 4 drafters), ``target_layer_ids`` of -1 (the
-embedding output) or of the target's last layer, sliding-window layers and attention biases.
+embedding output) or of the target's last layer, sliding-window layers and stated causality in
+DeepSpec's checkpoints and their exports, attention biases, and the scales z-lab's code applies
+for targets that scale their embeddings and logits (``NEUTRAL_SCALES``).
 speculators' DSpark and DFlash checkpoints (``checkpoints.speculators``) share these tensor names.
 
 Like ``checkpoints.speculators``, this module is a reader ``checkpoints.drafter`` dispatches to:
@@ -51,6 +56,12 @@ ZLAB_DFLASH = "DFlashDraftModel"
 NESTED = {EXPORTED: "dspark", ZLAB_DFLASH: "dflash"}  # architecture -> its dflash_config's projector_type
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
+# The sliding-window fields of a draft layers' HF config.
+SLIDING_FIELDS = ("layer_types", "sliding_window", "use_sliding_window")
+# Fields z-lab's code reads to scale a drafter's input embeddings and logits (for targets that
+# scale theirs, as Gemma's do): at these values they change nothing, and nothing else is read.
+NEUTRAL_SCALES = {"input_embedding_scale": (None, 1), "output_multiplier": (None, 1),
+                  "final_logit_softcapping": (None, 0)}
 
 
 def read_config_json(directory) -> dict | None:
@@ -104,7 +115,19 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         raise refuse(f"{error}: the checkpoint is damaged") from None
     if -1 in taps:
         raise refuse("target_layer_ids has -1 (the target's embedding output), which dspark-jax drafters do not tap")
-    backbone = draft_layers(raw, refuse)  # the target's Qwen3 config, at the drafter's depth
+    scaled = [f"{key} {raw[key]!r}" for key, neutral in NEUTRAL_SCALES.items() if raw.get(key) not in neutral]
+    if scaled:
+        raise refuse(f"{', '.join(scaled)}: z-lab's code scales the drafter's input embeddings or logits by these "
+                     "(for targets that scale theirs), which dspark-jax drafters do not")
+    causal = _stated_causality(raw, refuse)
+    if not zlab:  # DeepSpec's DSpark attends within a block bidirectionally, in full-attention layers
+        if any(kind != "full_attention" for kind in raw.get("layer_types") or []):
+            raise refuse(f"layer_types {raw['layer_types']}: sliding-window draft layers are not supported in "
+                         f"{architecture} checkpoints")
+        if causal:
+            raise refuse(f"is_causal true: a {architecture} attends within a block bidirectionally")
+    backbone, window, full = draft_layers(raw, refuse)  # the target's Qwen3 config, at the drafter's depth
+    attention = _zlab_attention(window, full, causal, refuse) if zlab else {}
     if zlab and gamma < 2:
         raise refuse(f"block_size {gamma}: slot 0 of a {ZLAB_DFLASH} block drafts nothing, so this block drafts "
                      "no token")
@@ -113,20 +136,59 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
                           draft_from_anchor=not zlab, markov_rank=rank,
                           markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
                           confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
-                          refuse=refuse), raw
+                          refuse=refuse, **attention), raw
+
+
+def _stated_causality(raw: dict, refuse) -> bool | None:
+    """Whether the config makes every draft layer causal (True) or bidirectional (False) within a
+    block: ``is_causal`` (z-lab's code and vLLM read it first), else ``causal`` (vLLM's older
+    ``dflash_config`` key); None where it says neither."""
+    for key in ("is_causal", "causal"):
+        value = raw.get(key)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise refuse(f"{key} is {value!r}, not true or false: the checkpoint is damaged")
+            return value
+    return None
+
+
+def _zlab_attention(window: int | None, full: tuple[int, ...], causal: bool | None, refuse) -> dict:
+    """``DrafterConfig``'s attention fields for a z-lab DFlash drafter, as z-lab's code and vLLM
+    run its layers: a sliding-window layer causal within the block and
+    seeing the window up to each slot's own position, a full-attention layer bidirectional, unless
+    the config states the causality of every layer (``causal``)."""
+    if window is None:
+        return dict(block_causal=bool(causal))
+    if causal and full:
+        raise refuse(f"is_causal true with full-attention layers {list(full)} among sliding-window ones: "
+                     "dspark-jax exempts a full-attention layer from the window and causality together")
+    return dict(sliding_window=window, window_per_slot=True, block_causal=causal is not False,
+                full_attention_layers=full)
 
 
 def draft_layers(layers: dict, refuse):
-    """The ``TargetConfig`` shape of a checkpoint's draft layers from their HF config (full
-    attention only); ``refuse(reason)`` makes the error naming the file."""
+    """``(shape, window, full)`` of a checkpoint's draft layers from their HF config: their
+    ``TargetConfig`` shape, the sliding window of its ``sliding_attention`` layers (None: there are
+    none) and the ``full_attention`` layers among them (``DrafterConfig.full_attention_layers``);
+    ``refuse(reason)`` makes the error naming the file."""
     from dspark_jax.checkpoints.hf import config_from_hf
 
-    if any(kind != "full_attention" for kind in layers.get("layer_types") or []):
-        raise refuse(f"layer_types {layers['layer_types']}: sliding-window draft layers are not supported")
-    try:
-        return config_from_hf(layers)
+    try:  # the sliding-window fields are read here, not by the HF reader (targets have no windows)
+        backbone = config_from_hf({k: v for k, v in layers.items() if k not in SLIDING_FIELDS})
     except ValueError as error:
         raise refuse(str(error)) from None
+    kinds = layers.get("layer_types") or ["full_attention"] * backbone.num_layers
+    if not isinstance(kinds, list) or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise refuse(f"layer_types {kinds}: a draft layer's attention is full_attention or sliding_attention")
+    if len(kinds) != backbone.num_layers:
+        raise refuse(f"{len(kinds)} layer_types for {backbone.num_layers} layers: the checkpoint is damaged")
+    if "sliding_attention" not in kinds:
+        return backbone, None, ()
+    try:
+        window = as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
+    except (TypeError, ValueError) as error:
+        raise refuse(f"{error}: the checkpoint is damaged") from None
+    return backbone, window, tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
 
 
 def _lifted(raw: dict, projector: str, refuse) -> dict:
@@ -145,8 +207,8 @@ def _lifted(raw: dict, projector: str, refuse) -> dict:
 
 def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, markov_rank: int, markov_head_type,
                    confidence_head: bool, confidence_with_markov: bool, refuse, draft_vocab_size=None,
-                   draft_from_anchor: bool = True, sliding_window: int | None = None,
-                   block_causal: bool = False, full_attention_layers: tuple[int, ...] = ()) -> DrafterConfig:
+                   draft_from_anchor: bool = True, sliding_window: int | None = None, block_causal: bool = False,
+                   full_attention_layers: tuple[int, ...] = (), window_per_slot: bool = False) -> DrafterConfig:
     """Our ``DrafterConfig`` for a DeepSpec-style DSpark drafter (DeepSpec's or speculators') whose
     draft layers have ``backbone``'s shape; ``refuse(reason)`` makes the error naming the file. No
     Markov head and no confidence head is a DFlash drafter, which both run as the same class."""
@@ -157,7 +219,7 @@ def drafter_config(backbone, *, taps, mask_token_id: int, block_size: int, marko
         markov_rank=markov_rank, markov_w1_rows="target", confidence_head=confidence_head,
         confidence_with_markov=confidence_with_markov, draft_vocab_size=draft_vocab_size,
         draft_from_anchor=draft_from_anchor, sliding_window=sliding_window, block_causal=block_causal,
-        full_attention_layers=full_attention_layers,
+        full_attention_layers=full_attention_layers, window_per_slot=window_per_slot,
     )
     if markov_rank == 0 and not confidence_head:
         fields |= DFLASH_FIELDS

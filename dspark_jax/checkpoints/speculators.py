@@ -34,7 +34,8 @@ speculators saves a drafter with transformers' ``save_pretrained``: ``config.jso
   ``--full-attention-indices``; our ``full_attention_layers``) see all context and the whole
   block. vLLM's attention applies the window from each slot's own position, so it leaves out a
   few of the oldest context keys (at most γ + 1) that the training mask shows; this port follows
-  the training mask.
+  the training mask (``window_per_slot`` off; z-lab's checkpoints, read as vLLM runs them, turn
+  it on).
 
 EAGLE-3 drafters (``speculators_model_type`` "eagle3") keep the target-side layout too (layer
 ids as above in ``eagle_aux_hidden_state_layer_ids``, ``lm_head`` over ``draft_vocab_size`` tokens
@@ -82,9 +83,6 @@ REQUIRED = ("transformer_layer_config", "block_size", "mask_token_id", "aux_hidd
             "draft_vocab_size")
 MODEL_TYPES = {"dspark": ("markov_rank", "enable_confidence_head"), "dflash": ()}  # what each adds
 EAGLE3 = "eagle3"
-# The sliding-window fields of an EAGLE-3 draft layer's config, read here rather than by the HF
-# config reader (which refuses sliding windows, as targets have none).
-SLIDING_FIELDS = ("layer_types", "sliding_window", "use_sliding_window")
 
 
 def claims(directory) -> bool:
@@ -149,28 +147,11 @@ def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
 
 
 def _draft_layers(raw: dict, layers: dict, refuse):
-    """``(shape, window, full)``: the draft layers' shape from ``transformer_layer_config``, as
-    wide as the target, the sliding window of its sliding-window layers (None: there are none),
-    and the full-attention layers among them (``DrafterConfig.full_attention_layers``)."""
+    """``(shape, window, full)`` of the draft layers of ``transformer_layer_config``
+    (``deepspec.draft_layers``), which are as wide as the target."""
     if not isinstance(layers, dict):
         raise refuse(f"transformer_layer_config is {layers!r}, not the draft layers' config: the checkpoint is damaged")
-    backbone = draft_layers({k: v for k, v in layers.items() if k not in SLIDING_FIELDS},
-                            lambda reason: refuse(f"transformer_layer_config: {reason}"))
-    kinds = layers.get("layer_types") or ["full_attention"] * backbone.num_layers
-    if not isinstance(kinds, list) or not set(kinds) <= {"full_attention", "sliding_attention"}:
-        raise refuse(f"transformer_layer_config: layer_types {kinds}: a draft layer's attention is full_attention "
-                     "or sliding_attention")
-    if len(kinds) != backbone.num_layers:
-        raise refuse(f"transformer_layer_config: {len(kinds)} layer_types for {backbone.num_layers} layers: the "
-                     "checkpoint is damaged")
-    if "sliding_attention" not in kinds:
-        window, full = None, ()
-    else:
-        try:
-            window = as_int(layers.get("sliding_window"), "a sliding-window layer's sliding_window")
-        except (TypeError, ValueError) as error:
-            raise refuse(f"{error}: the checkpoint is damaged") from None
-        full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    backbone, window, full = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
     width = raw.get("target_hidden_size")
     if width is not None and width != backbone.hidden_size:
         raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "

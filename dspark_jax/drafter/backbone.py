@@ -35,14 +35,16 @@ from dspark_jax.models.layers import (
 
 
 def context_visible(
-    ctx_positions_S: jax.Array, anchors_Q: jax.Array, window: int | None
+    ctx_positions_S: jax.Array, anchors_Q: jax.Array, window: int | None, slot_Q: jax.Array | None = None
 ) -> jax.Array:
     """``[..., Q, S]``: context slot j is visible to a query whose block anchor is at a iff
-    ``j < a`` (and ``j >= a - window`` with a sliding window)."""
+    ``j < a``, and with a sliding window ``j >= a - window``, or, counted from the query's own
+    position a + s (``slot_Q`` given), ``j > a + s - window``."""
     anchors = anchors_Q[..., :, None]
     visible = ctx_positions_S[..., None, :] < anchors
     if window is not None:
-        visible &= ctx_positions_S[..., None, :] >= anchors - window
+        first = anchors - window if slot_Q is None else anchors + slot_Q[:, None] - window + 1
+        visible &= ctx_positions_S[..., None, :] >= first
     return visible
 
 
@@ -143,11 +145,17 @@ class Backbone(nnx.Module):
     def _visible(self, layer: int, ctx_positions_S, anchors_BxQ, slot_Q):
         """What draft layer ``layer``'s block queries see: ``(context [B, Q, S], slots [Q, Q])``,
         the context before the anchor (within its window) and the slots of the same block (all,
-        or those up to the query's own with ``block_causal``)."""
-        ctx = context_visible(ctx_positions_S, anchors_BxQ, self.cfg.layer_window(layer))
+        or those up to the query's own with ``block_causal``; with ``window_per_slot``, those
+        within the window of the query's)."""
+        window, per_slot = self.cfg.layer_window(layer), self.cfg.window_per_slot
+        ctx = context_visible(ctx_positions_S, anchors_BxQ, window, slot_Q if per_slot else None)
         if self.cfg.layer_block_causal(layer):
-            return ctx, slot_Q[None, :] <= slot_Q[:, None]
-        return ctx, jnp.ones((slot_Q.shape[0],) * 2, bool)
+            slots = slot_Q[None, :] <= slot_Q[:, None]
+        else:
+            slots = jnp.ones((slot_Q.shape[0],) * 2, bool)
+        if window is not None and per_slot:
+            slots &= jnp.abs(slot_Q[:, None] - slot_Q[None, :]) < window
+        return ctx, slots
 
     def project_context(self, features_BxSxF: jax.Array) -> jax.Array:
         """``H_ctx = RMSNorm(fc · F)`` (spec §1.3)."""
