@@ -50,16 +50,39 @@ def test_a_zlab_dflash_checkpoint_drafts_what_zlab_computes(name):
     assert (cfg.kind, cfg.tap_layers, cfg.block_size, cfg.block_slots, cfg.draft_from_anchor) == (
         "dflash", (0, 2), 3, 4, False)
     assert (cfg.sliding_window, cfg.window_per_slot, cfg.block_causal, cfg.full_attention_layers) == ATTENTION[name]
+    hidden = drafted_hidden(drafter, name)
+    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"], atol=2e-5)
+    embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
+    np.testing.assert_allclose(drafter.base_logits(hidden, embed), GOLDEN[f"{name}/logits"], atol=5e-5)
+
+
+def drafted_hidden(drafter, name: str):
+    """``drafter``'s hidden states for the golden's anchored blocks, one request per anchor whose
+    context is the features before it (z-lab's draft cache)."""
     embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
     features, ids, anchors = (GOLDEN[f"{name}/{key}"] for key in ("features", "input_ids", "anchors"))
-    # One request per anchor, its context the features before it (z-lab's draft cache).
     batch = len(anchors)
-    context = drafter.extend_context(embed, drafter.new_context(batch, len(ids) + cfg.block_slots),
+    context = drafter.extend_context(embed, drafter.new_context(batch, len(ids) + drafter.cfg.block_slots),
                                      jnp.broadcast_to(jnp.asarray(features), (batch, *features.shape)), None,
                                      jnp.asarray(anchors))
-    hidden = drafter.backbone.forward_block(embed, context, jnp.asarray(ids[anchors]))
-    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"], atol=2e-5)
-    np.testing.assert_allclose(drafter.base_logits(hidden, embed), GOLDEN[f"{name}/logits"], atol=5e-5)
+    return drafter.backbone.forward_block(embed, context, jnp.asarray(ids[anchors]))
+
+
+def test_a_zlab_config_may_leave_to_zlabs_code_what_it_defaults(tmp_path):
+    """z-lab's code reads each field from ``dflash_config``, else from the top level, takes 16
+    block slots where ``block_size`` is not said, and never reads ``num_target_layers``. The
+    causal checkpoint so written drafts 15 tokens a block, and its first three drafting slots
+    are the golden's: in causal layers the slots after them change nothing."""
+    directory = shutil.copytree(FIXTURES / "causal", tmp_path / "bare")
+    config = json.loads((directory / "config.json").read_text())
+    config |= config.pop("dflash_config")
+    del config["block_size"], config["num_target_layers"]
+    (directory / "config.json").write_text(json.dumps(config))
+    drafter = load_drafter(directory, target=its_target("causal"))
+    cfg = drafter.cfg
+    assert (cfg.block_slots, cfg.block_size, cfg.tap_layers, cfg.mask_token_id, cfg.block_causal) == (
+        16, 15, (0, 2), 3, True)
+    np.testing.assert_allclose(drafted_hidden(drafter, "causal")[:, :3], GOLDEN["causal/hidden"], atol=2e-5)
 
 
 @pytest.mark.parametrize("name", ATTENTION)
@@ -86,6 +109,7 @@ def test_a_zlab_dflash_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_pa
                                                       "input embeddings or logits"),
         (edited("causal", output_multiplier=0.5, final_logit_softcapping=30.0),
          "output_multiplier 0.5, final_logit_softcapping 30.0: z-lab's code scales"),
+        (edited("causal", dflash_config=[0, 2]), r"dflash_config is \[0, 2\], not an object: the checkpoint is damaged"),
         (edited("sliding", sliding_window=None), "a sliding-window layer's sliding_window must be an int, got None: "
                                                  "the checkpoint is damaged"),
         (edited("sliding", layer_types=["sliding_attention", "chunked_attention"]),

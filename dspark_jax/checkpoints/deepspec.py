@@ -17,8 +17,9 @@ does for drafters trained here.
 
 SpecForge and ModelOpt export the same drafter as ``DSparkDraftModel`` with its DSpark fields in
 a nested ``dflash_config`` (``projector_type`` "dspark"): read the same way once they are lifted
-to the top level, as vLLM does. z-lab's DFlash drafters (``DFlashDraftModel``, ``dflash_config``
-with ``target_layer_ids`` and ``mask_token_id``) are the same layers without heads, whose block
+to the top level, as vLLM does. z-lab's DFlash drafters (``DFlashDraftModel``, ``target_layer_ids``
+and ``mask_token_id`` in a ``dflash_config`` or at the top level, ``block_size`` 16 where not
+said, as z-lab's code reads them) are the same layers without heads, whose block
 slot 0 holds the anchor and drafts nothing: ``block_size`` slots draft ``block_size - 1`` tokens
 (``draft_from_anchor=False``). Either may leave out the copies of the target's embedding and
 head; it then records nothing of its target. z-lab's layers attend as its code and vLLM run
@@ -53,6 +54,7 @@ ARCHITECTURE = "Qwen3DSparkModel"
 EXPORTED = "DSparkDraftModel"
 # z-lab's DFlash drafters: the same layers and tensors, no heads, and block slot 0 drafts nothing.
 ZLAB_DFLASH = "DFlashDraftModel"
+ZLAB_BLOCK_SIZE = 16  # what z-lab's code takes where a config names no block_size
 NESTED = {EXPORTED: "dspark", ZLAB_DFLASH: "dflash"}  # architecture -> its dflash_config's projector_type
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
@@ -95,22 +97,25 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
 
     architecture = (raw.get("architectures") or [None])[0]
     zlab = architecture == ZLAB_DFLASH
-    if architecture in NESTED and len(raw["architectures"]) == 1 and isinstance(raw.get("dflash_config"), dict):
+    # z-lab's code reads each field from dflash_config, else from the top level, so it may have none.
+    if architecture in NESTED and len(raw["architectures"]) == 1 and (zlab or isinstance(raw.get("dflash_config"), dict)):
         raw = _lifted(raw, NESTED[architecture], refuse)
         if zlab:  # DFlash: no Markov head, no confidence head
-            raw = {"markov_rank": 0, "enable_confidence_head": False, **raw}
+            raw = {"markov_rank": 0, "enable_confidence_head": False, "block_size": ZLAB_BLOCK_SIZE, **raw}
     elif raw.get("architectures") != [ARCHITECTURE]:
         raise refuse(f"a drafter of architecture {raw.get('architectures')}; this reads DeepSpec's {ARCHITECTURE} "
-                     f"checkpoints (its Qwen3 drafters), {EXPORTED} exports and z-lab's {ZLAB_DFLASH} ones (with a "
-                     "dflash_config), and speculators' (whose config.json has a speculators_model_type)")
-    missing = [key for key in ("block_size", "mask_token_id", "target_layer_ids", "num_target_layers", "markov_rank",
-                               "enable_confidence_head") if key not in raw]
+                     f"checkpoints (its Qwen3 drafters), {EXPORTED} exports (with a dflash_config), z-lab's "
+                     f"{ZLAB_DFLASH} ones, and speculators' (whose config.json has a speculators_model_type)")
+    required = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
+                *(() if zlab else ("num_target_layers",)))  # z-lab's code does not need the target's depth
+    missing = [key for key in required if key not in raw]
     if missing:
         raise refuse(f"a {architecture} config without {', '.join(missing)}: the checkpoint is damaged")
     try:
         taps = as_ints(raw["target_layer_ids"], "target_layer_ids")
-        rank, gamma, mask, _ = (as_int(raw[key], key)
-                                for key in ("markov_rank", "block_size", "mask_token_id", "num_target_layers"))
+        rank, gamma, mask = (as_int(raw[key], key) for key in ("markov_rank", "block_size", "mask_token_id"))
+        if "num_target_layers" in raw:
+            as_int(raw["num_target_layers"], "num_target_layers")
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
     if -1 in taps:
@@ -194,7 +199,10 @@ def draft_layers(layers: dict, refuse):
 def _lifted(raw: dict, projector: str, refuse) -> dict:
     """A config with its ``dflash_config`` fields at the top level (as DeepSpec's), which must be
     of ``projector`` kind where it says."""
-    nested = dict(raw["dflash_config"])
+    nested = raw.get("dflash_config", {})
+    if not isinstance(nested, dict):
+        raise refuse(f"dflash_config is {nested!r}, not an object: the checkpoint is damaged")
+    nested = dict(nested)
     said = nested.pop("projector_type", projector)
     if said != projector:
         raise refuse(f"dflash_config.projector_type {said!r}: a {raw['architectures'][0]} is read as projector_type "
@@ -306,4 +314,4 @@ def trained_for(directory, raw: dict) -> dict | None:
             return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")
-    return identity(raw["num_target_layers"], sketch)
+    return identity(raw.get("num_target_layers"), sketch)
