@@ -12,13 +12,16 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax.checkpoints.drafter import load_drafter, read_drafter_config
+from dspark_jax.config import SamplingConfig
 from dspark_jax.models.target import TargetModel
+from dspark_jax.sampling import SamplingParams
 from tests.tiny import assert_decodes_losslessly, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_deepspec"
@@ -67,6 +70,65 @@ def test_a_deepspec_checkpoint_drafts_what_deepspec_drafted(name):
         assert confidence is None
     else:
         np.testing.assert_allclose(confidence[0], GOLDEN[f"{name}/confidence_logits"], atol=2e-5)
+
+
+def test_deepspecs_eagle3_baseline_drafts_what_its_evaluator_drafted():
+    """DeepSpec's EAGLE-3 baseline (``Qwen3Eagle3Model``, taps 0-4 of a 6-layer target, 3 TTT
+    steps) as our EAGLE-3 drafter, with its own head over all tokens: after the prompt's context,
+    and again after a round commits two more tokens, each proposal step's logits are those
+    DeepSpec's evaluator drafted from the same features and tokens, and so are the greedy tokens."""
+    target = its_target("eagle3", num_layers=6)
+    drafter = load_drafter(FIXTURES / "eagle3", target=target)
+    cfg = drafter.cfg
+    assert (cfg.kind, cfg.tap_layers, cfg.block_size, cfg.backbone.num_layers, cfg.backbone.qk_norm,
+            cfg.draft_vocab_size, cfg.eagle3_feature_norm) == ("eagle3", (0, 1, 2, 3, 4), 3, 1, True, 97, "none")
+    embed = jnp.asarray(GOLDEN["eagle3/embedding"])
+    ids = jnp.asarray(GOLDEN["eagle3/input_ids"])[None]
+    prompt, committed = 9, 2  # make_deepspec_goldens.EAGLE3_PROMPT, EAGLE3_COMMITTED
+    greedy = SamplingParams.from_configs([SamplingConfig(temperature=0.0)])
+    keys = jax.random.split(jax.random.PRNGKey(0), cfg.block_size)[None]
+    # Feature t pairs with token t + 1; the last token committed is the anchor.
+    context = drafter.extend_context(embed, drafter.new_context(1, 32), jnp.asarray(GOLDEN["eagle3/prompt_features"])[None],
+                                     ids[:, 1:prompt + 1], jnp.asarray([prompt]))
+    first, _ = drafter.propose(embed, embed, context, ids[:, prompt], greedy, keys)
+    verified = jnp.asarray(GOLDEN["eagle3/verified_features"])[None, :committed]
+    context = drafter.extend_context(embed, context, verified, ids[:, prompt + 1:prompt + 1 + committed],
+                                     jnp.asarray([committed]))
+    second, _ = drafter.propose(embed, embed, context, ids[:, prompt + committed], greedy, keys)
+    for block, want in zip((first, second), GOLDEN["eagle3/logits"]):
+        np.testing.assert_allclose(block.corrected_logits_BxGxN[0], want, atol=5e-5)
+        np.testing.assert_array_equal(block.tokens_BxG[0], want.argmax(-1))
+    assert_decodes_losslessly(target, drafter)
+
+
+def test_deepspecs_eagle3_baseline_is_refused_by_name_where_it_cannot_load_and_converts(tmp_path, capsys):
+    """Another target, several layers (each of DeepSpec's takes the token embeddings), sliding
+    windows and a damaged config are refused by name; ``dspark convert`` copies it bit for bit."""
+    from dspark_jax import cli
+    from dspark_jax.checkpoints.drafter import drafter_tensors
+
+    with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
+        load_drafter(FIXTURES / "eagle3", target=tiny_target(seed=5, **{**SHAPE, "num_layers": 6}))
+    config = json.loads((FIXTURES / "eagle3" / "config.json").read_text())
+    for edit, message in (
+            (dict(num_hidden_layers=2, layer_types=["full_attention"] * 2), "num_hidden_layers 2: each of "
+                                                                            "DeepSpec's EAGLE-3 layers takes the token"),
+            (dict(layer_types=["sliding_attention"]), "sliding-window draft layers are not supported in DeepSpec's "
+                                                      "Qwen3Eagle3Model checkpoints"),
+            (dict(ttt_length=None), "without ttt_length: the checkpoint is damaged")):
+        directory = shutil.copytree(FIXTURES / "eagle3", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+        (directory / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
+        with pytest.raises(ValueError, match=message):
+            load_drafter(directory)
+    out = tmp_path / "converted"
+    assert cli.main(["convert", "--drafter", str(FIXTURES / "eagle3"), "--out", str(out)]) == 0
+    assert f"--drafter {out}" in capsys.readouterr().out
+    converted, original = load_drafter(out, target=its_target("eagle3", num_layers=6)), load_drafter(FIXTURES / "eagle3")
+    assert converted.cfg == original.cfg
+    converted_tensors, original_tensors = drafter_tensors(converted), drafter_tensors(original)
+    assert converted_tensors.keys() == original_tensors.keys()
+    for key, value in original_tensors.items():
+        np.testing.assert_array_equal(converted_tensors[key], value, err_msg=key)
 
 
 def test_a_deepspec_drafter_decodes_its_target_losslessly():

@@ -10,6 +10,13 @@ copied, with the drafter's depth in ``num_hidden_layers`` and the DSpark fields 
 (``layers.{i}.self_attn.q_proj.weight`` ...); k/v and gate/up are fused here as our layers fuse
 them. DFlash drafters are the same class with ``markov_rank`` 0 and no confidence head.
 
+DeepSpec's EAGLE-3 baselines (``Qwen3Eagle3Model``, as ``deepseek-ai/eagle3_qwen3_4b_ttt7`` is
+published: the paper's Table 1 EAGLE-3) are read as our EAGLE-3 drafter: ``target_layer_ids`` its
+taps, ``ttt_length`` its γ, its one layer in the tensor names speculators' EAGLE-3 drafters use,
+and its own head over all tokens; its ``embed_tokens`` (a frozen copy of the target's) is the
+record of its target. Several layers are refused: each of DeepSpec's takes the token embeddings,
+where ours after the first are plain decoder layers.
+
 The checkpoint's ``embed_tokens`` and ``lm_head`` are copies of its target's. They are not read
 whole (a drafter takes its target's at run time), but a sketch of ``embed_tokens`` is the
 drafter's record of its target, so ``load_drafter`` refuses a target they do not match, as it
@@ -45,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_jax.config import DFLASH_FIELDS, DrafterConfig, as_int, as_ints
+from dspark_jax.config import DFLASH_FIELDS, EAGLE3_FIELDS, DrafterConfig, as_int, as_ints
 
 NAME = "deepspec"
 ARCHITECTURE = "Qwen3DSparkModel"
@@ -55,6 +62,8 @@ EXPORTED = "DSparkDraftModel"
 # z-lab's DFlash drafters: the same layers and tensors, no heads, and block slot 0 drafts nothing.
 ZLAB_DFLASH = "DFlashDraftModel"
 ZLAB_BLOCK_SIZE = 16  # what z-lab's code takes where a config names no block_size
+# DeepSpec's EAGLE-3 baseline drafters (the paper's Table 1 ones): one EAGLE-3 layer, its own head.
+EAGLE3_ARCHITECTURE = "Qwen3Eagle3Model"
 NESTED = {EXPORTED: "dspark", ZLAB_DFLASH: "dflash"}  # architecture -> its dflash_config's projector_type
 CONFIG_FILE = "config.json"
 FROZEN = ("embed_tokens.weight", "lm_head.weight")  # copies of the target's
@@ -83,7 +92,7 @@ def claims(directory) -> bool:
         return False
     architectures = raw.get("architectures")
     return isinstance(architectures, list) and (
-        architectures == [ZLAB_DFLASH] or any("DSpark" in str(a) for a in architectures))
+        architectures in ([ZLAB_DFLASH], [EAGLE3_ARCHITECTURE]) or any("DSpark" in str(a) for a in architectures))
 
 
 def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConfig, dict]:
@@ -96,6 +105,8 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         return ValueError(f"{path}: {reason}")
 
     architecture = (raw.get("architectures") or [None])[0]
+    if raw.get("architectures") == [EAGLE3_ARCHITECTURE]:
+        return _eagle3_config(raw, refuse), raw
     zlab = architecture == ZLAB_DFLASH
     # z-lab's code reads each field from dflash_config, else from the top level, so it may have none.
     if architecture in NESTED and len(raw["architectures"]) == 1 and (zlab or isinstance(raw.get("dflash_config"), dict)):
@@ -104,8 +115,9 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
             raw = {"markov_rank": 0, "enable_confidence_head": False, "block_size": ZLAB_BLOCK_SIZE, **raw}
     elif raw.get("architectures") != [ARCHITECTURE]:
         raise refuse(f"a drafter of architecture {raw.get('architectures')}; this reads DeepSpec's {ARCHITECTURE} "
-                     f"checkpoints (its Qwen3 drafters), {EXPORTED} exports (with a dflash_config), z-lab's "
-                     f"{ZLAB_DFLASH} ones, and speculators' (whose config.json has a speculators_model_type)")
+                     f"checkpoints (its Qwen3 drafters) and its {EAGLE3_ARCHITECTURE} ones, {EXPORTED} exports (with "
+                     f"a dflash_config), z-lab's {ZLAB_DFLASH} ones, and speculators' (whose config.json has a "
+                     "speculators_model_type)")
     required = ("block_size", "mask_token_id", "target_layer_ids", "markov_rank", "enable_confidence_head",
                 *(() if zlab else ("num_target_layers",)))  # z-lab's code does not need the target's depth
     missing = [key for key in required if key not in raw]
@@ -142,6 +154,36 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
                           markov_head_type=raw.get("markov_head_type", "none"), confidence_head=confidence,
                           confidence_with_markov=confidence and bool(raw.get("confidence_head_with_markov", False)),
                           refuse=refuse, **attention), raw
+
+
+def _eagle3_config(raw: dict, refuse) -> DrafterConfig:
+    """Our ``DrafterConfig`` of DeepSpec's EAGLE-3 baseline: its one layer is our EAGLE-3
+    drafter's, with its own head over all tokens (a copy of its target's, frozen in training) and
+    γ its ``ttt_length``. Its ``embed_tokens`` (a frozen copy of the target's) is only the record
+    of its target: ours embeds with the target's."""
+    missing = [key for key in ("target_layer_ids", "ttt_length", "num_target_layers") if key not in raw]
+    if missing:
+        raise refuse(f"a {EAGLE3_ARCHITECTURE} config without {', '.join(missing)}: the checkpoint is damaged")
+    try:
+        taps = as_ints(raw["target_layer_ids"], "target_layer_ids")
+        gamma = as_int(raw["ttt_length"], "ttt_length")
+        as_int(raw["num_target_layers"], "num_target_layers")
+    except (TypeError, ValueError) as error:
+        raise refuse(f"{error}: the checkpoint is damaged") from None
+    if any(kind != "full_attention" for kind in raw.get("layer_types") or []):
+        raise refuse(f"layer_types {raw['layer_types']}: sliding-window draft layers are not supported in "
+                     f"DeepSpec's {EAGLE3_ARCHITECTURE} checkpoints")
+    backbone, _, _ = draft_layers(raw, refuse)  # the target's Qwen3 config, at the drafter's depth
+    if backbone.num_layers != 1:
+        raise refuse(f"num_hidden_layers {backbone.num_layers}: each of DeepSpec's EAGLE-3 layers takes the token "
+                     "embeddings, and dspark-jax stacks plain decoder layers after the first (as speculators and "
+                     "vLLM do)")
+    try:
+        return DrafterConfig(**EAGLE3_FIELDS, backbone=dataclasses.replace(backbone, qk_norm=True), tap_layers=taps,
+                             block_size=gamma, mask_token_id=0,  # EAGLE-3 drafts without a mask token
+                             draft_vocab_size=backbone.vocab_size, ttt_step_decay=raw.get("step_loss_decay", 0.8))
+    except ValueError as error:
+        raise refuse(f"holds no drafter dspark-jax can build: {error}") from None
 
 
 def _stated_causality(raw: dict, refuse) -> bool | None:
@@ -270,6 +312,45 @@ def tensor_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
     return sources
 
 
+def _layer_body_sources(ours: str, theirs: str, qk_norm: bool) -> dict[str, tuple[str, ...]]:
+    """An EAGLE-3 draft layer's attention and MLP (``drafter.eagle3._LayerBody``) -> the tensors
+    of the layer ``theirs`` (a prefix such as ``layers.0.``)."""
+    sources = {
+        ours + "qkv.weight": tuple(f"{theirs}self_attn.{x}_proj.weight" for x in "qkv"),
+        ours + "o.weight": (theirs + "self_attn.o_proj.weight",),
+        ours + "post_attn_norm.weight": (theirs + "post_attention_layernorm.weight",),
+        ours + "mlp.gate_up.weight": (theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"),
+        ours + "mlp.down.weight": (theirs + "mlp.down_proj.weight",),
+    }
+    if qk_norm:
+        sources |= {f"{ours}{x}_norm.weight": (f"{theirs}self_attn.{x}_norm.weight",) for x in "qk"}
+    return sources
+
+
+def eagle3_tensor_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
+    """Every tensor of our EAGLE-3 drafter -> the tensors of a speculators or DeepSpec EAGLE-3
+    checkpoint (the same names) it is made of. Its first layer's are the drafter's own; a later
+    layer is a plain decoder layer (``later_layers``)."""
+    qk_norm = cfg.backbone.qk_norm
+    sources = {
+        "fc.weight": ("fc.weight",),
+        "embed_norm.weight": ("layers.0.input_layernorm.weight",),
+        "hidden_norm.weight": ("layers.0.hidden_norm.weight",),
+        **_layer_body_sources("", "layers.0.", qk_norm),
+        "final_norm.weight": ("norm.weight",),
+        "draft_head.linear.weight": ("lm_head.weight",),
+    }
+    for index in range(1, cfg.backbone.num_layers):
+        later, layer = f"later_layers.{index - 1}.", f"layers.{index}."
+        sources |= {later + "input_norm.weight": (layer + "input_layernorm.weight",),
+                    **_layer_body_sources(later, layer, qk_norm)}
+    if cfg.eagle3_feature_norm == "joint":
+        sources["feature_norms.0.weight"] = ("input_norm.weight",)
+    elif cfg.eagle3_feature_norm == "per_layer":
+        sources |= {f"feature_norms.{i}.weight": (f"fc_norm.{i}.weight",) for i in range(len(cfg.tap_layers))}
+    return sources
+
+
 def read_sources(directory, cfg: DrafterConfig, sources: dict[str, tuple[str, ...]], *, ignored, described: str,
                  integers=()) -> tuple[DrafterConfig, dict[str, np.ndarray]]:
     """``(cfg, tensors)``: our drafter's tensors by state path (float32), each the checkpoint's
@@ -299,7 +380,13 @@ def read_drafter(directory, cfg: DrafterConfig):
     """``(cfg, tensors)``: a DeepSpec checkpoint's drafter config (``read_config``'s, adjusted to
     what the tensors hold) and our drafter's tensors by state path (float32); ``trained_for``
     reads the record of its target."""
-    return read_sources(directory, cfg, tensor_sources(cfg), ignored=FROZEN, described=ARCHITECTURE)
+    from dspark_jax.checkpoints.drafter import D2T
+
+    if cfg.kind != "eagle3":
+        return read_sources(directory, cfg, tensor_sources(cfg), ignored=FROZEN, described=ARCHITECTURE)
+    cfg, tensors = read_sources(directory, cfg, eagle3_tensor_sources(cfg), ignored=("embed_tokens.weight",),
+                                described=EAGLE3_ARCHITECTURE)
+    return cfg, tensors | {D2T: np.arange(cfg.vocab_size, dtype=np.int32)}  # its head's rows: every token
 
 
 def trained_for(directory, raw: dict) -> dict | None:
@@ -310,7 +397,8 @@ def trained_for(directory, raw: dict) -> dict | None:
 
     sketch = embedding_sketch(directory)
     if sketch is None:
-        if raw.get("architectures") != [ARCHITECTURE]:  # exports, z-lab's too, may leave the target's copies out
+        if raw.get("architectures") not in ([ARCHITECTURE], [EAGLE3_ARCHITECTURE]):  # exports, z-lab's too, may
+            # leave the target's copies out
             return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")

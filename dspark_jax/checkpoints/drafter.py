@@ -345,8 +345,9 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
     unexpected, of the wrong shape or kind (integer weights, a float ``d2t``), non-finite weights,
     and a ``config.json`` and ``model.safetensors`` from different saves.
 
-    A drafter DeepSpec or speculators saved (``checkpoints.deepspec``: the official DSpark
-    drafters; ``checkpoints.speculators``) loads too; a DeepSpec one is refused for a target whose
+    A drafter DeepSpec, z-lab or speculators saved (``checkpoints.deepspec``: the official DSpark
+    drafters and their DFlash and EAGLE-3 baselines, z-lab's DFlash ones; ``checkpoints.speculators``)
+    loads too; a DeepSpec one is refused for a target whose
     embedding is not the one it was saved with.
     """
     directory = Path(directory)
@@ -434,8 +435,9 @@ def convert_drafter(directory, out, *, storage_dtype: str = "float32") -> Path:
     reader = other_format(directory)
     if reader is None:
         _checkpoint_dir(directory)  # a missing directory or config is named as such
-        raise ValueError(f"{directory} holds no drafter DeepSpec or speculators saved (a Qwen3DSparkModel, or a "
-                         "speculators DSpark, DFlash or EAGLE-3 config.json)")
+        raise ValueError(f"{directory} holds no drafter DeepSpec, z-lab or speculators saved (a Qwen3DSparkModel, "
+                         "a Qwen3Eagle3Model, a DFlashDraftModel, or a speculators DSpark, DFlash or EAGLE-3 "
+                         "config.json)")
     raw = reader.read_config(directory)[1]
     metadata = {"converted_from": str(directory.resolve()), f"{reader.NAME}_config": raw}
     return save_drafter(load_drafter(directory), out, storage_dtype=storage_dtype, metadata=metadata,

@@ -69,6 +69,7 @@ from dspark_jax.checkpoints.deepspec import (
     CONFIG_FILE,
     draft_layers,
     drafter_config,
+    eagle3_tensor_sources,
     read_config_json,
     read_sources,
     tensor_sources,
@@ -220,51 +221,13 @@ def _speculative_tokens(speculators_config) -> int:
     return as_int(methods[0]["speculative_tokens"], "speculative_tokens")
 
 
-def _layer_body_sources(ours: str, theirs: str, qk_norm: bool) -> dict[str, tuple[str, ...]]:
-    """An EAGLE-3 draft layer's attention and MLP (``drafter.eagle3._LayerBody``) -> speculators'
-    tensors of the layer ``theirs`` (a prefix such as ``layers.0.``)."""
-    sources = {
-        ours + "qkv.weight": tuple(f"{theirs}self_attn.{x}_proj.weight" for x in "qkv"),
-        ours + "o.weight": (theirs + "self_attn.o_proj.weight",),
-        ours + "post_attn_norm.weight": (theirs + "post_attention_layernorm.weight",),
-        ours + "mlp.gate_up.weight": (theirs + "mlp.gate_proj.weight", theirs + "mlp.up_proj.weight"),
-        ours + "mlp.down.weight": (theirs + "mlp.down_proj.weight",),
-    }
-    if qk_norm:
-        sources |= {f"{ours}{x}_norm.weight": (f"{theirs}self_attn.{x}_norm.weight",) for x in "qk"}
-    return sources
-
-
-def _eagle3_sources(cfg: DrafterConfig) -> dict[str, tuple[str, ...]]:
-    """Every tensor of our EAGLE-3 drafter -> the speculators tensors it is made of. Its first
-    layer's are the drafter's own; a later layer is a plain decoder layer (``later_layers``)."""
-    qk_norm = cfg.backbone.qk_norm
-    sources = {
-        "fc.weight": ("fc.weight",),
-        "embed_norm.weight": ("layers.0.input_layernorm.weight",),
-        "hidden_norm.weight": ("layers.0.hidden_norm.weight",),
-        **_layer_body_sources("", "layers.0.", qk_norm),
-        "final_norm.weight": ("norm.weight",),
-        "draft_head.linear.weight": ("lm_head.weight",),
-    }
-    for index in range(1, cfg.backbone.num_layers):
-        later, layer = f"later_layers.{index - 1}.", f"layers.{index}."
-        sources |= {later + "input_norm.weight": (layer + "input_layernorm.weight",),
-                    **_layer_body_sources(later, layer, qk_norm)}
-    if cfg.eagle3_feature_norm == "joint":
-        sources["feature_norms.0.weight"] = ("input_norm.weight",)
-    elif cfg.eagle3_feature_norm == "per_layer":
-        sources |= {f"feature_norms.{i}.weight": (f"fc_norm.{i}.weight",) for i in range(len(cfg.tap_layers))}
-    return sources
-
-
 def read_drafter(directory, cfg: DrafterConfig):
     """``(cfg, tensors)``: a speculators checkpoint's drafter config (``read_config``'s) and our
     drafter's tensors by state path (float32; a reduced head's target ids as ``draft_head.d2t``)."""
     from dspark_jax.checkpoints.drafter import D2T
 
     if cfg.kind == EAGLE3:  # its own head, whatever its vocabulary
-        sources = _eagle3_sources(cfg)
+        sources = eagle3_tensor_sources(cfg)
     else:  # its own head over a reduced vocabulary; else the target's
         sources = tensor_sources(cfg)
         if cfg.draft_vocab_size is not None:
