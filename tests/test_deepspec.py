@@ -115,7 +115,8 @@ def test_deepspecs_eagle3_baseline_is_refused_by_name_where_it_cannot_load_and_c
                                                                             "DeepSpec's EAGLE-3 layers takes the token"),
             (dict(layer_types=["sliding_attention"]), "sliding-window draft layers are not supported in DeepSpec's "
                                                       "Qwen3Eagle3Model checkpoints"),
-            (dict(ttt_length=None), "without ttt_length: the checkpoint is damaged")):
+            (dict(ttt_length=None), "without ttt_length: the checkpoint is damaged"),
+            (dict(architectures=["Gemma4Eagle3Model"]), r"a drafter of architecture \['Gemma4Eagle3Model'\]")):
         directory = shutil.copytree(FIXTURES / "eagle3", tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
         (directory / "config.json").write_text(json.dumps({k: v for k, v in {**config, **edit}.items() if v is not None}))
         with pytest.raises(ValueError, match=message):

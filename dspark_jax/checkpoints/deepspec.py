@@ -85,14 +85,16 @@ def read_config_json(directory) -> dict | None:
 
 
 def claims(directory) -> bool:
-    """Whether ``directory`` holds a DSpark drafter DeepSpec (or another program naming a DSpark
-    architecture) saved: ``read_config`` reads DeepSpec's own and refuses the others by name."""
+    """Whether ``directory`` holds a drafter DeepSpec (or another program naming a DSpark
+    architecture) or z-lab saved: ``read_config`` reads DeepSpec's Qwen3 ones, their exports and
+    z-lab's DFlash ones, and refuses the others by name."""
     raw = read_config_json(directory)
     if raw is None or "speculators_model_type" in raw:  # speculators' (checkpoints.speculators)
         return False
     architectures = raw.get("architectures")
-    return isinstance(architectures, list) and (
-        architectures in ([ZLAB_DFLASH], [EAGLE3_ARCHITECTURE]) or any("DSpark" in str(a) for a in architectures))
+    return isinstance(architectures, list) and (  # Gemma 4 ones too, to refuse them by name
+        architectures == [ZLAB_DFLASH] or any("DSpark" in str(a) or str(a).endswith("Eagle3Model")
+                                              for a in architectures))
 
 
 def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConfig, dict]:
