@@ -203,9 +203,9 @@ def _stated_causality(raw: dict, refuse) -> bool | None:
 
 def _zlab_attention(window: int | None, full: tuple[int, ...], causal: bool | None, refuse) -> dict:
     """``DrafterConfig``'s attention fields for a z-lab DFlash drafter, as z-lab's code and vLLM
-    run its layers: a sliding-window layer causal within the block and
-    seeing the window up to each slot's own position, a full-attention layer bidirectional, unless
-    the config states the causality of every layer (``causal``)."""
+    run its layers: a sliding-window layer causal within the block and seeing the window up to
+    each slot's own position, a full-attention layer bidirectional, unless the config states the
+    causality of every layer (``causal``)."""
     if window is None:
         return dict(block_causal=bool(causal))
     if causal and full:
@@ -399,8 +399,8 @@ def trained_for(directory, raw: dict) -> dict | None:
 
     sketch = embedding_sketch(directory)
     if sketch is None:
-        if raw.get("architectures") not in ([ARCHITECTURE], [EAGLE3_ARCHITECTURE]):  # exports, z-lab's too, may
-            # leave the target's copies out
+        # Exports, z-lab's drafters too, may leave the target's copies out; DeepSpec's own keep them.
+        if raw.get("architectures") not in ([ARCHITECTURE], [EAGLE3_ARCHITECTURE]):
             return None
         raise ValueError(f"{directory}: no embed_tokens.weight, the checkpoint's record of its target: the "
                          "checkpoint is damaged")
