@@ -34,13 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+# The same tiny Qwen3 target as the DeepSpec goldens, and the same seeded random weights.
+from make_deepspec_goldens import TARGET, randomize
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "tiny_zlab"
 GOLDEN = REPO / "tests" / "goldens" / "tiny_zlab.npz"
-TARGET = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
-              tie_word_embeddings=True)
-TARGET_LAYERS = 4
 TAPS = [0, 2]  # z-lab numbers taps by decoder layer: its features are hidden_states[id + 1]
 BLOCK_SIZE, MASK_TOKEN_ID = 4, 3
 SEQUENCE = 24
@@ -63,8 +62,9 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
     kinds, window, is_causal = VARIANTS[name]
     # Qwen3Config keeps a sliding window only with use_sliding_window (else None: no window at all).
     sliding = dict(use_sliding_window=window is not None, sliding_window=window)
-    config = {**Qwen3Config(**TARGET, num_hidden_layers=len(kinds), layer_types=kinds, **sliding).to_dict(),
-              "architectures": ["DFlashDraftModel"], "block_size": BLOCK_SIZE, "num_target_layers": TARGET_LAYERS,
+    layers = {**TARGET, "num_hidden_layers": len(kinds), "layer_types": kinds, **sliding}
+    config = {**Qwen3Config(**layers).to_dict(), "architectures": ["DFlashDraftModel"], "block_size": BLOCK_SIZE,
+              "num_target_layers": TARGET["num_hidden_layers"],
               "dflash_config": {"target_layer_ids": TAPS, "mask_token_id": MASK_TOKEN_ID}}
     if is_causal is not None:
         config["is_causal"] = is_causal
@@ -74,10 +74,7 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
         window if kind == "sliding_attention" else None for kind in kinds]
     width = TARGET["hidden_size"]
     embedding = 0.2 * torch.randn(TARGET["vocab_size"], width)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            spread = 0.2 if param.ndim > 1 else 0.5
-            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
+    randomize(model)
     out = FIXTURES / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
