@@ -635,13 +635,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=positive_int, default=1, help="runs per prompt and decoder; the fastest counts")
     bench.set_defaults(func=cmd_bench)
 
-    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory, or a DeepSpec or "
-                          "speculators drafter as a dspark-jax one")
+    conv = sub.add_parser("convert", help="write a GGUF model as an HF checkpoint directory, or a drafter DeepSpec, "
+                          "z-lab, speculators, SpecForge or the EAGLE authors saved as a dspark-jax one")
     source = conv.add_mutually_exclusive_group()
     source.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2)")
     source.add_argument("--drafter", "--deepspec", dest="drafter", default=None,
-                        help="a drafter checkpoint DeepSpec (Qwen3DSparkModel) or speculators (DSpark, DFlash, EAGLE-3) "
-                             "saved; DeepSpec's is written without its copies of the target's embedding and LM head")
+                        help="a drafter checkpoint DeepSpec (Qwen3DSparkModel, Qwen3Eagle3Model), z-lab (DFlash), "
+                             "speculators (DSpark, DFlash, EAGLE-3), SpecForge or the EAGLE authors "
+                             "(LlamaForCausalLMEagle3) saved; DeepSpec's is written without its copies of the "
+                             "target's embedding and LM head")
     conv.add_argument("--out", required=True)
     conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="float32",
                       help="the written weights' dtype (default float32; bfloat16 halves the checkpoint)")

@@ -34,7 +34,10 @@ embedding the drafter was built with.
 
 EAGLE-3 drafters (``EAGLE3_VARIANTS``: ``Eagle3DraftModel``, saved with the copy of the target's
 embedding it keeps) get the logits of each training-time-test step of its training forward,
-captured at its ``lm_head``.
+captured at its ``lm_head``. So do EAGLE-3 checkpoints in the layout of the EAGLE authors and
+SpecForge (``EAGLE_VARIANTS``, ``tests/fixtures/tiny_eagle/``: ``LlamaForCausalLMEagle3``), once
+speculators' own ``Eagle3Converter`` has converted them against a tiny verifier (``eagle/...``
+in the goldens).
 """
 
 from __future__ import annotations
@@ -105,6 +108,31 @@ EAGLE3_VARIANTS = {
                          layer_types=["sliding_attention", "full_attention"]),
 }
 TTT_STEPS = 3
+# EAGLE-3 drafters in the layout of the EAGLE authors and SpecForge (``midlayer.*`` tensors, the
+# fields at the top level of a Llama config), which vLLM and SGLang serve as they are; speculators'
+# own ``Eagle3Converter`` converts each (``tests/fixtures/tiny_eagle/<variant>``). ``layer_ids``
+# are what the converter is told, in transformers' numbering (None: left to the target).
+EAGLE_VARIANTS = {
+    # SpecForge's export: a reduced vocabulary, the copy of the target's embedding, layer ids in
+    # ``eagle_config`` counted by decoder layer as SpecForge and SGLang count them (a first id of
+    # 1), and a Qwen config's window fields, which a Llama layer does not use.
+    "specforge": dict(fields=dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=61,
+                                  eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                                                "use_aux_hidden_state": True},
+                                  sliding_window=4, use_sliding_window=False),
+                      embedding=True, layer_ids=[2, 3, 4]),
+    # The EAGLE authors' training config (``LlamaForCausalLM`` with ``draft_vocab_size``, here over
+    # every token) without layer ids or the embedding's copy.
+    "authors": dict(fields=dict(architectures=["LlamaForCausalLM"], draft_vocab_size=97), embedding=False,
+                    layer_ids=None),
+    # EAGLE 3.1's fields as in SpecForge's config for it, read as vLLM reads them: a norm per
+    # tapped layer and the normed output fed back; top-level layer ids in transformers' numbering.
+    "eagle31": dict(fields=dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=61, fc_norm=True,
+                                norm_output=True, eagle_aux_hidden_state_layer_ids=[2, 3, 4]),
+                    embedding=True, layer_ids=[2, 3, 4]),
+}
+EAGLE_FIXTURES = REPO / "tests" / "fixtures" / "tiny_eagle"
+EAGLE_TARGET_LAYERS = 8
 
 
 def drafter(name: str, seed: int):
@@ -239,10 +267,17 @@ def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
     out = FIXTURES / name
     model.save_pretrained(out, safe_serialization=True)
     (out / "config.py").unlink()  # speculators' source, copied beside (see make)
+    return eagle3_logits(model, seed, len(AUX_LAYER_IDS), embedding, draft_ids)
+
+
+def eagle3_logits(model, seed: int, taps: int, embedding, draft_ids) -> dict[str, np.ndarray]:
+    """The logits of each TTT step of an ``Eagle3DraftModel``'s training forward (captured at its
+    ``lm_head``) on random tapped features and tokens, with the inputs."""
+    import torch
 
     vocab, width = TARGET["vocab_size"], TARGET["hidden_size"]
     generator = torch.Generator().manual_seed(seed + 1)
-    features = torch.randn(1, SEQUENCE, len(AUX_LAYER_IDS) * width, generator=generator)
+    features = torch.randn(1, SEQUENCE, taps * width, generator=generator).to(model.fc.weight.dtype)
     input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
     logits = []
     model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output[0]))
@@ -252,7 +287,8 @@ def make_eagle3(name: str, seed: int) -> dict[str, np.ndarray]:
     assert len(logits) == TTT_STEPS
     result = {"features": features[0], "input_ids": input_ids[0], "embedding": embedding, "draft_ids": draft_ids,
               "logits": torch.stack(logits)}
-    return {key: value.numpy() for key, value in result.items()}
+    return {key: value.to(torch.float32 if value.is_floating_point() else value.dtype).numpy()
+            for key, value in result.items()}
 
 
 def make(name: str, seed: int) -> dict[str, np.ndarray]:
@@ -305,6 +341,76 @@ def make_zlab(seed: int) -> dict[str, np.ndarray]:
         return computed(converted, dflash, seed, embedding, draft_ids)
 
 
+def make_eagle(name: str, seed: int) -> dict[str, np.ndarray]:
+    """A checkpoint in the EAGLE authors' and SpecForge's layout (``EAGLE_VARIANTS``), its weights
+    random, converted by speculators' own ``Eagle3Converter`` against a tiny verifier saved by
+    transformers; what the converted drafter computes is the golden."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    variant = EAGLE_VARIANTS[name]
+    fields, taps = variant["fields"], 3
+    vocab, draft_vocab = TARGET["vocab_size"], fields["draft_vocab_size"]
+    # speculators' model of the same drafter gives the tensors their names and shapes.
+    layer_config = LlamaConfig(**TARGET, num_hidden_layers=1)
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer_config, eagle_aux_hidden_state_layer_ids=[2, 3, 4], draft_vocab_size=draft_vocab,
+        fc_norm=fields.get("fc_norm", False), speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path="tiny-verifier", architectures=["LlamaForCausalLM"]),
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=TTT_STEPS)]))
+    torch.manual_seed(seed)
+    model = Eagle3DraftModel(config)
+    embedding, draft_ids = randomize(model, draft_vocab)
+    tensors = {key.replace("layers.0.", "midlayer."): value.contiguous() for key, value in model.state_dict().items()
+               if not key.startswith("verifier_") and (variant["embedding"] or key != "embed_tokens.weight")}
+    if draft_vocab == vocab:  # the authors keep the maps over every token too
+        tensors |= {"d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
+    out = EAGLE_FIXTURES / name
+    out.mkdir(parents=True, exist_ok=True)
+    eagle_config = {**LlamaConfig(**dict(TARGET, tie_word_embeddings=False), num_hidden_layers=1).to_dict(), **fields}
+    (out / "config.json").write_text(json.dumps(eagle_config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(out / "model.safetensors"))
+    with tempfile.TemporaryDirectory() as scratch:
+        # Deep enough that the taps a config without layer ids leaves to it are distinct (2, 4, 5).
+        verifier = LlamaForCausalLM(LlamaConfig(**TARGET, num_hidden_layers=EAGLE_TARGET_LAYERS))
+        with torch.no_grad():
+            verifier.model.embed_tokens.weight.copy_(embedding)
+        verifier.save_pretrained(f"{scratch}/verifier")
+        Eagle3Converter().convert(out, f"{scratch}/converted", base_model=f"{scratch}/verifier", validate=False,
+                                  norm_before_residual=fields.get("norm_before_residual", False),
+                                  eagle_aux_hidden_state_layer_ids=variant["layer_ids"])
+        converted_config = Eagle3SpeculatorConfig.from_pretrained(f"{scratch}/converted")
+        converted_config.transformer_layer_config._attn_implementation = "eager"
+        converted = Eagle3DraftModel.from_pretrained(f"{scratch}/converted", config=converted_config).eval()
+        with torch.no_grad():
+            if not variant["embedding"]:  # vLLM and SGLang embed with the target's where a drafter keeps no copy
+                converted.embed_tokens.weight.copy_(embedding)
+            # The converter (0.9.0) drops fc_norm.*: its legacy model has no such norms, so the
+            # converted drafter would start them afresh. They are put back as the checkpoint has them.
+            for key, value in tensors.items():
+                if key.startswith("fc_norm."):
+                    converted.get_parameter(key).copy_(value)
+        state = converted.state_dict()
+        for key, value in tensors.items():  # otherwise the converter copies the weights as they are
+            if key in ("d2t", "t2d") and draft_vocab == vocab:
+                assert key not in state  # over every token it keeps no maps, as vLLM reads none
+                continue
+            assert torch.equal(state[key.replace("midlayer.", "layers.0.")].to(value.dtype), value), key
+        # In float64 (transformers' norms still normalise in float32): its float32 run rounds by up
+        # to 1.9e-4 on the EAGLE 3.1 fields' random weights, more than the tests' 5e-5, where the
+        # float64 one agrees with dspark-jax's float32 drafter to 2.8e-5 (1e-5 on the others).
+        return eagle3_logits(converted.double(), seed, taps, embedding, draft_ids)
+
+
 def main() -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"  # the tiny verifier is nowhere to download
     arrays = {}
@@ -313,9 +419,11 @@ def main() -> int:
         outputs = (make_zlab(seed) if name == "zlab" else make_eagle3(name, seed) if name in EAGLE3_VARIANTS
                    else make(name, seed))
         arrays |= {f"{name}/{key}": value for key, value in outputs.items()}
+    for name in EAGLE_VARIANTS:
+        arrays |= {f"eagle/{name}/{key}": value for key, value in make_eagle(name, zlib.crc32(name.encode())).items()}
     np.savez_compressed(GOLDEN, **arrays)
     written = ({name: FIXTURES / name for name in [*VARIANTS, *EAGLE3_VARIANTS, *SLIDING_VARIANTS] if name != "zlab"}
-               | {"zlab": ZLAB_FIXTURE})
+               | {"zlab": ZLAB_FIXTURE} | {f"eagle/{name}": EAGLE_FIXTURES / name for name in EAGLE_VARIANTS})
     print(json.dumps({name: sorted(p.name for p in directory.iterdir()) for name, directory in written.items()}))
     return 0
 

@@ -306,7 +306,8 @@ def test_convert_writes_a_speculators_drafter_as_a_dspark_jax_one(tmp_path, caps
     assert config["metadata"]["speculators_config"]["speculators_model_type"] == "dspark"
     assert "target" not in config
     assert read_drafter_config(FIXTURES / "gated")[1]["speculators"]["draft_vocab_size"] == 61
-    with pytest.raises(SystemExit, match=r"--drafter .*: .*holds no drafter DeepSpec, z-lab or speculators saved"):
+    with pytest.raises(SystemExit, match=r"--drafter .*: .*holds no drafter DeepSpec, z-lab, speculators, SpecForge "
+                                         "or the EAGLE authors saved"):
         cli.main(["convert", "--drafter", str(out), "--out", str(tmp_path / "again")])
     assert not (tmp_path / "again").exists()
     # An EAGLE-3 one keeps its options, its own full-vocabulary head and its second layer.

@@ -37,7 +37,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from dspark_jax.checkpoints import deepspec, save_safetensors, speculators
+from dspark_jax.checkpoints import deepspec, eagle, save_safetensors, speculators
 from dspark_jax.config import DrafterConfig, partial_path
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.drafter.model import Drafter
@@ -54,11 +54,12 @@ SKETCH_ROWS, SKETCH_COLUMNS = 64, 8  # the embedding entries a sketch samples, e
 # Least correlation of a target's sketch with the recorded one: SmolLM2's embedding gives 0.986 at
 # Q4_0, 1.000 at Q8_0 and in bfloat16; a random one of its shape 0.00, its rows shifted by one 0.23.
 SAME_TARGET_CORRELATION = 0.5
-# Readers of drafters other programs saved: DeepSpec's (the official DSpark drafters) and speculators'.
+# Readers of drafters other programs saved: DeepSpec's (the official DSpark drafters) and z-lab's,
+# speculators', and the EAGLE authors' and SpecForge's EAGLE-3 ones.
 # Each has NAME, claims(directory), read_config(directory, target_depth), read_drafter(directory,
 # cfg) and trained_for(directory, raw); target_depth is the target's number of decoder layers
 # where known (a format may leave the tapped layers to the target, as vLLM does).
-OTHER_FORMATS = (deepspec, speculators)
+OTHER_FORMATS = (deepspec, speculators, eagle)
 
 
 def _depth(target) -> int | None:
@@ -300,14 +301,14 @@ def _read_config(directory) -> tuple[DrafterConfig, dict]:
 
 
 def other_format(directory):
-    """The reader (``checkpoints.deepspec`` or ``checkpoints.speculators``) of the drafter another
-    program saved in ``directory``, or None for a dspark-jax drafter (or no drafter)."""
+    """The reader (one of ``OTHER_FORMATS``) of the drafter another program saved in
+    ``directory``, or None for a dspark-jax drafter (or no drafter)."""
     return next((reader for reader in OTHER_FORMATS if reader.claims(directory)), None)
 
 
 def read_drafter_config(directory, target=None) -> tuple[DrafterConfig, dict]:
     """The drafter config and the free-form metadata of a checkpoint directory (for one another
-    program saved, ``{"deepspec" or "speculators": its config.json}``); ``target`` (a model or its
+    program saved, ``{its reader's NAME: its config.json}``); ``target`` (a model or its
     config), where given, settles what such a checkpoint leaves to its target."""
     reader = other_format(directory)
     if reader is not None:
@@ -345,10 +346,10 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
     unexpected, of the wrong shape or kind (integer weights, a float ``d2t``), non-finite weights,
     and a ``config.json`` and ``model.safetensors`` from different saves.
 
-    A drafter DeepSpec, z-lab or speculators saved (``checkpoints.deepspec``: the official DSpark
-    drafters and their DFlash and EAGLE-3 baselines, z-lab's DFlash ones; ``checkpoints.speculators``)
-    loads too; a DeepSpec one is refused for a target whose
-    embedding is not the one it was saved with.
+    A drafter DeepSpec, z-lab, speculators, SpecForge or the EAGLE authors saved
+    (``checkpoints.deepspec``: the official DSpark drafters and their DFlash and EAGLE-3 baselines,
+    z-lab's DFlash ones; ``checkpoints.speculators``; ``checkpoints.eagle``) loads too; one that
+    keeps a copy of its target's embedding is refused for a target whose embedding is not that one.
     """
     directory = Path(directory)
     reader = other_format(directory)
@@ -426,18 +427,18 @@ def load_drafter(directory, *, target=None, dtype=jnp.float32):
 
 
 def convert_drafter(directory, out, *, storage_dtype: str = "float32") -> Path:
-    """Write the drafter DeepSpec or speculators saved in ``directory`` to ``out`` as a dspark-jax
-    drafter: its draft layers and heads (without a DeepSpec checkpoint's copies of the target's
-    embedding and LM head: a 4B target's drafter loses most of its size), the record of its target
-    where it has one, and its own config in the metadata. What it drafts is unchanged (bit for bit
-    in float32)."""
+    """Write the drafter another program saved in ``directory`` (``OTHER_FORMATS``) to ``out`` as a
+    dspark-jax drafter: its draft layers and heads (without a DeepSpec checkpoint's copies of the
+    target's embedding and LM head: a 4B target's drafter loses most of its size), the record of its
+    target where it has one, and its own config in the metadata. What it drafts is unchanged (bit
+    for bit in float32)."""
     directory = Path(directory)
     reader = other_format(directory)
     if reader is None:
         _checkpoint_dir(directory)  # a missing directory or config is named as such
-        raise ValueError(f"{directory} holds no drafter DeepSpec, z-lab or speculators saved (a Qwen3DSparkModel, "
-                         "a Qwen3Eagle3Model, a DFlashDraftModel, or a speculators DSpark, DFlash or EAGLE-3 "
-                         "config.json)")
+        raise ValueError(f"{directory} holds no drafter DeepSpec, z-lab, speculators, SpecForge or the EAGLE authors "
+                         "saved (a Qwen3DSparkModel, a Qwen3Eagle3Model, a DFlashDraftModel, a speculators DSpark, "
+                         "DFlash or EAGLE-3 config.json, or a LlamaForCausalLMEagle3)")
     raw = reader.read_config(directory)[1]
     metadata = {"converted_from": str(directory.resolve()), f"{reader.NAME}_config": raw}
     return save_drafter(load_drafter(directory), out, storage_dtype=storage_dtype, metadata=metadata,

@@ -124,7 +124,7 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         rank = as_int(raw.get("markov_rank", 0), "markov_rank")
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
-    taps = _taps(layer_ids, "aux_hidden_state_layer_ids", refuse)
+    taps = hidden_state_taps(layer_ids, "aux_hidden_state_layer_ids", refuse)
     # Sliding-window layers attend causally within a block unless sliding_window_non_causal says
     # otherwise; full-attention ones bidirectionally (speculators' training mask, vLLM's too).
     backbone, window, full = _draft_layers(raw, raw["transformer_layer_config"], refuse)
@@ -140,8 +140,8 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         block_causal=window is not None and not non_causal, full_attention_layers=full, refuse=refuse), raw
 
 
-def _taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
-    """Our taps for speculators' layer ids (transformers' hidden-state numbering)."""
+def hidden_state_taps(layer_ids: tuple[int, ...], key: str, refuse) -> tuple[int, ...]:
+    """Our taps for layer ids in transformers' hidden-state numbering (speculators' and vLLM's)."""
     if 0 in layer_ids:
         raise refuse(f"{key} has 0 (the target's embedding output), which dspark-jax drafters do not tap")
     return tuple(i - 1 for i in layer_ids)
@@ -152,7 +152,14 @@ def _draft_layers(raw: dict, layers: dict, refuse):
     (``deepspec.draft_layers``), which are as wide as the target."""
     if not isinstance(layers, dict):
         raise refuse(f"transformer_layer_config is {layers!r}, not the draft layers' config: the checkpoint is damaged")
-    backbone, window, full = draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}"))
+    return target_wide(raw, *draft_layers(layers, lambda reason: refuse(f"transformer_layer_config: {reason}")),
+                       refuse=refuse)
+
+
+def target_wide(raw: dict, backbone, window, full, *, refuse):
+    """``(backbone, window, full)`` as given, once the config's ``target_hidden_size`` (where it
+    says one) is checked to be the draft layers' width: dspark-jax drafters are as wide as their
+    target, whose features ``fc`` takes."""
     width = raw.get("target_hidden_size")
     if width is not None and width != backbone.hidden_size:
         raise refuse(f"target_hidden_size {width} differs from the draft layers' {backbone.hidden_size}: dspark-jax "
@@ -160,10 +167,16 @@ def _draft_layers(raw: dict, layers: dict, refuse):
     return backbone, window, full
 
 
-def default_eagle3_layer_ids(target_depth: int) -> list[int]:
-    """The layer ids vLLM and speculators take for an EAGLE-3 drafter whose config names none
-    (what ``speculators convert`` writes for the EAGLE authors' checkpoints): hidden states 2,
-    n // 2 and n - 3 of an n-layer target, in transformers' numbering."""
+def default_eagle3_layer_ids(target_depth: int | None, refuse) -> list[int]:
+    """The layer ids vLLM, SGLang and speculators take for an EAGLE-3 drafter whose config names
+    none (the EAGLE authors' checkpoints, and what ``speculators convert`` writes for them): hidden
+    states 2, n // 2 and n - 3 of an n-layer target, in transformers' numbering. Without the
+    target's depth they are refused by name."""
+    if target_depth is None:
+        raise refuse("eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on the target's "
+                     "depth n (vLLM takes its hidden states 2, n // 2 and n - 3): load it with its target "
+                     "(load_drafter(..., target=...), as every dspark command that decodes does), or write them "
+                     "into the config")
     return [2, target_depth // 2, target_depth - 3]
 
 
@@ -174,29 +187,35 @@ def _eagle3_config(raw: dict, refuse, target_depth: int | None) -> DrafterConfig
         raise refuse(f"a speculators eagle3 config without {', '.join(missing)}: the checkpoint is damaged")
     layer_ids = raw.get("eagle_aux_hidden_state_layer_ids")
     if layer_ids is None:
-        if target_depth is None:
-            raise refuse("eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on the target's "
-                         "depth n (vLLM takes its hidden states 2, n // 2 and n - 3): load it with its target "
-                         "(load_drafter(..., target=...), as every dspark command that decodes does), or write them "
-                         "into the config")
-        layer_ids = default_eagle3_layer_ids(target_depth)
-    for flag in ("embed_requires_grad", "norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
-        if not isinstance(raw.get(flag, False), bool):
-            raise refuse(f"{flag} is {raw[flag]!r}, not true or false: the checkpoint is damaged")
-    if raw.get("embed_requires_grad", False):
+        layer_ids = default_eagle3_layer_ids(target_depth, refuse)
+    embedding_trained = raw.get("embed_requires_grad", False)
+    if not isinstance(embedding_trained, bool):
+        raise refuse(f"embed_requires_grad is {embedding_trained!r}, not true or false: the checkpoint is damaged")
+    if embedding_trained:
         raise refuse("embed_requires_grad is true: the drafter trained its own token embedding, and dspark-jax's "
                      "EAGLE-3 drafter embeds with its target's")
-    if raw.get("norm_before_fc", False) and raw.get("fc_norm", False):
-        raise refuse("norm_before_fc and fc_norm are both true, which speculators does not allow: the checkpoint "
-                     "is damaged")
     try:
         layer_ids = as_ints(layer_ids, "eagle_aux_hidden_state_layer_ids")
         draft_vocab = as_int(raw["draft_vocab_size"], "draft_vocab_size")
         gamma = _speculative_tokens(raw.get("speculators_config"))
     except (TypeError, ValueError) as error:
         raise refuse(f"{error}: the checkpoint is damaged") from None
-    taps = _taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
-    backbone, window, full = _draft_layers(raw, raw["transformer_layer_config"], refuse)
+    taps = hidden_state_taps(layer_ids, "eagle_aux_hidden_state_layer_ids", refuse)
+    return eagle3_config(raw, _draft_layers(raw, raw["transformer_layer_config"], refuse), taps=taps, gamma=gamma,
+                         draft_vocab=draft_vocab, refuse=refuse)
+
+
+def eagle3_config(raw: dict, layers, *, taps, gamma: int, draft_vocab: int, refuse) -> DrafterConfig:
+    """Our EAGLE-3 ``DrafterConfig`` for draft layers ``layers`` (``(shape, window, full)``) and the
+    layer options a config ``raw`` may set, as speculators and vLLM read them: ``norm_before_fc``
+    or ``fc_norm``, ``norm_before_residual`` and ``norm_output`` (EAGLE 3.1)."""
+    for flag in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output"):
+        if not isinstance(raw.get(flag, False), bool):
+            raise refuse(f"{flag} is {raw[flag]!r}, not true or false: the checkpoint is damaged")
+    if raw.get("norm_before_fc", False) and raw.get("fc_norm", False):
+        raise refuse("norm_before_fc and fc_norm are both true, which speculators and vLLM do not allow: the "
+                     "checkpoint is damaged")
+    backbone, window, full = layers
     feature_norm = "joint" if raw.get("norm_before_fc") else "per_layer" if raw.get("fc_norm") else "none"
     try:
         return DrafterConfig(
@@ -224,19 +243,27 @@ def _speculative_tokens(speculators_config) -> int:
 def read_drafter(directory, cfg: DrafterConfig):
     """``(cfg, tensors)``: a speculators checkpoint's drafter config (``read_config``'s) and our
     drafter's tensors by state path (float32; a reduced head's target ids as ``draft_head.d2t``)."""
-    from dspark_jax.checkpoints.drafter import D2T
-
     if cfg.kind == EAGLE3:  # its own head, whatever its vocabulary
         sources = eagle3_tensor_sources(cfg)
     else:  # its own head over a reduced vocabulary; else the target's
         sources = tensor_sources(cfg)
         if cfg.draft_vocab_size is not None:
             sources["draft_head.linear.weight"] = ("lm_head.weight",)
+    return read_mapped(directory, cfg, sources, described=f"speculators {cfg.kind} drafter")
+
+
+def read_mapped(directory, cfg: DrafterConfig, sources: dict[str, tuple[str, ...]], *, described: str):
+    """``(cfg, tensors)`` as ``deepspec.read_sources`` reads them, for a checkpoint that may keep a
+    copy of the target's embedding (and speculators' of its head and norm) and maps its head's
+    rows to target ids as speculators, vLLM and the EAGLE authors do: ``d2t`` an offset per draft
+    token (target id = draft index + ``d2t``), ``t2d`` a mask over target ids."""
+    from dspark_jax.checkpoints.drafter import D2T
+
     # Vocabulary maps matter for a reduced vocabulary only; over all tokens, where saved, they are the identity.
     mapped = cfg.draft_vocab_size is not None and cfg.draft_vocab_size < cfg.vocab_size
     ignored = [*VERIFIER_TENSORS, "t2d", *([] if mapped else ["d2t"]),
                *([] if "draft_head.linear.weight" in sources else ["lm_head.weight"])]
-    cfg, tensors = read_sources(directory, cfg, sources, ignored=ignored, described=f"speculators {cfg.kind} drafter",
+    cfg, tensors = read_sources(directory, cfg, sources, ignored=ignored, described=described,
                                 integers=("d2t",) if mapped else ())
     if cfg.draft_vocab_size is not None:
         offsets = tensors.pop("d2t") if mapped else 0
