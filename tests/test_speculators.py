@@ -30,10 +30,10 @@ ZLAB = Path(__file__).parent / "fixtures" / "tiny_zlab_dflash"  # z-lab's DFlash
 GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_speculators.npz")
 
 
-def its_target(name: str = "gated", **overrides) -> TargetModel:
+def its_target(name: str = "gated", golden=GOLDEN, **overrides) -> TargetModel:
     """The tiny Qwen3 target the drafter was built for: the embedding (tied head) it was given."""
     module = tiny_target(seed=0, **{**SHAPE, **overrides}).module()
-    module.embed[...] = jnp.asarray(GOLDEN[f"{name}/embedding"])
+    module.embed[...] = jnp.asarray(golden[f"{name}/embedding"])
     return TargetModel.from_module(module)
 
 
@@ -68,14 +68,15 @@ def test_a_speculators_checkpoint_drafts_what_speculators_computed(name):
     drafts_as_computed(drafter, name)
 
 
-def drafts_as_computed(drafter, name: str) -> None:
-    """``drafter``'s outputs for the golden's anchored blocks are those speculators computed."""
+def drafts_as_computed(drafter, name: str, golden=GOLDEN) -> None:
+    """``drafter``'s outputs for the golden's anchored blocks are those speculators (or the program
+    that wrote ``golden``) computed."""
     cfg = drafter.cfg
     if cfg.draft_vocab_size is not None:
-        np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
-    embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
-    features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
-    anchors = GOLDEN[f"{name}/anchors"]
+        np.testing.assert_array_equal(drafter.d2t_N, golden[f"{name}/draft_ids"])
+    embed = jnp.asarray(golden[f"{name}/embedding"])
+    features, ids = golden[f"{name}/features"], golden[f"{name}/input_ids"]
+    anchors = golden[f"{name}/anchors"]
     gamma = cfg.block_size
     drafting = slice(cfg.block_slots - gamma, None)  # the slots that draft, in speculators' outputs
     # One request per anchor: the context holds the features before it, as speculators' mask lets
@@ -85,14 +86,14 @@ def drafts_as_computed(drafter, name: str) -> None:
                                      jnp.broadcast_to(jnp.asarray(features), (batch, *features.shape)), None,
                                      jnp.asarray(anchors))
     hidden = drafter.backbone.forward_block(embed, context, jnp.asarray(ids[anchors]))
-    np.testing.assert_allclose(hidden, GOLDEN[f"{name}/hidden"][:, drafting], atol=2e-5)
+    np.testing.assert_allclose(hidden, golden[f"{name}/hidden"][:, drafting], atol=2e-5)
     blocks = jnp.asarray(np.stack([ids[p:p + gamma] for p in anchors]))  # draft k's previous token: p + k
     corrected, confidence = drafter.teacher_forced(hidden, embed, blocks)
-    np.testing.assert_allclose(corrected, GOLDEN[f"{name}/corrected_logits"][:, drafting], atol=5e-5)
+    np.testing.assert_allclose(corrected, golden[f"{name}/corrected_logits"][:, drafting], atol=5e-5)
     if not cfg.confidence_head:
         assert confidence is None
     else:
-        np.testing.assert_allclose(confidence, GOLDEN[f"{name}/confidence_logits"][:, drafting], atol=2e-5)
+        np.testing.assert_allclose(confidence, golden[f"{name}/confidence_logits"][:, drafting], atol=2e-5)
 
 
 def test_a_zlab_dflash_checkpoint_drafts_what_speculators_computes_once_it_converted_it(tmp_path):

@@ -24,7 +24,9 @@ does for drafters trained here.
 
 SpecForge and ModelOpt export the same drafter as ``DSparkDraftModel`` with its DSpark fields in
 a nested ``dflash_config`` (``projector_type`` "dspark"): read the same way once they are lifted
-to the top level, as vLLM does. z-lab's DFlash drafters (``DFlashDraftModel``, ``target_layer_ids``
+to the top level, as vLLM does, with SpecForge's defaults for the fields it leaves out (SpecForge
+trains these drafters as DeepSpec does: slot k of a block on the (k + 1)-th token after the
+anchor). z-lab's DFlash drafters (``DFlashDraftModel``, ``target_layer_ids``
 and ``mask_token_id`` in a ``dflash_config`` or at the top level, ``block_size`` 16 where not
 said, as z-lab's code reads them) are the same layers without heads, whose block
 slot 0 holds the anchor and drafts nothing: ``block_size`` slots draft ``block_size - 1`` tokens
@@ -115,6 +117,8 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
         raw = _lifted(raw, NESTED[architecture], refuse)
         if zlab:  # DFlash: no Markov head, no confidence head
             raw = {"markov_rank": 0, "enable_confidence_head": False, "block_size": ZLAB_BLOCK_SIZE, **raw}
+        else:
+            raw = {**_specforge_defaults(raw, refuse), **raw}
     elif raw.get("architectures") != [ARCHITECTURE]:
         raise refuse(f"a drafter of architecture {raw.get('architectures')}; this reads DeepSpec's {ARCHITECTURE} "
                      f"checkpoints (its Qwen3 drafters) and its {EAGLE3_ARCHITECTURE} ones, {EXPORTED} exports (with "
@@ -186,6 +190,17 @@ def _eagle3_config(raw: dict, refuse) -> DrafterConfig:
                              draft_vocab_size=backbone.vocab_size, ttt_step_decay=raw.get("step_loss_decay", 0.8))
     except ValueError as error:
         raise refuse(f"holds no drafter dspark-jax can build: {error}") from None
+
+
+def _specforge_defaults(raw: dict, refuse) -> dict:
+    """What SpecForge's ``DSparkDraftModel`` takes for the DSpark fields its ``dflash_config`` may
+    leave out: no Markov head, a vanilla one where a rank is given, and a confidence head where
+    the config weighs its loss (``confidence_head_alpha`` above 0), on the hidden state alone."""
+    alpha = raw.get("confidence_head_alpha") or 0.0
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise refuse(f"confidence_head_alpha is {alpha!r}, not a number: the checkpoint is damaged")
+    return {"markov_rank": 0, "markov_head_type": "vanilla", "enable_confidence_head": alpha > 0,
+            "confidence_head_with_markov": False}
 
 
 def _stated_causality(raw: dict, refuse) -> bool | None:

@@ -1,0 +1,169 @@
+"""Produce the SpecForge reference goldens that ``tests/test_specforge.py`` checks in CI.
+
+SpecForge (``sgl-project/SpecForge``: SGLang's drafter training framework) exports DSpark drafters
+as ``DSparkDraftModel`` and DFlash ones as ``DFlashDraftModel``: a Qwen3 config with the drafter's
+fields in a nested ``dflash_config``, tensors under DeepSpec's names. This script imports
+SpecForge's own model and training classes from a checkout (``--specforge DIR``, the directory
+holding its ``specforge`` package: ``git archive HEAD specforge`` of the repository; commit
+a6b6b02, 2026-08-08, was used) and needs torch and transformers (the venv of
+``scripts/make_speculators_goldens.py`` has them)::
+
+    HF_HUB_OFFLINE=1 /tmp/specvenv/bin/python scripts/make_specforge_goldens.py --specforge /tmp/specforge
+
+CI needs none of it: it reads what this script wrote.
+
+For each variant (``VARIANTS``) SpecForge's drafter class is built on a tiny Qwen3 config with
+seeded random weights (norms included, so that a skipped one shows) and saved with
+``save_pretrained`` (``tests/fixtures/tiny_specforge/<variant>/``: the export as SpecForge writes
+it). Then SpecForge's training forward (``OnlineDSparkModel`` or ``OnlineDFlashModel``, eager
+attention over its dense training masks) runs on random tapped features and tokens, and
+``tests/goldens/tiny_specforge.npz`` keeps the inputs (the target's embedding, which is its tied
+head too, the features, tokens and sampled anchors) and, for each anchored block, the hidden
+states the loss receives, the logits it scores (Markov-corrected for DSpark: the drafter's own
+``apply_logits_head``) and the confidence logits (``predict_confidence``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_speculators_goldens import TARGET  # noqa: E402  (the tiny target of the other goldens)
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures" / "tiny_specforge"
+GOLDEN = REPO / "tests" / "goldens" / "tiny_specforge.npz"
+DRAFT_LAYERS = 2
+TARGET_LAYERS = 4
+# SpecForge numbers taps by decoder layer (its features are hidden_states[id + 1]), as we do.
+COMMON = dict(target_layer_ids=[0, 2], mask_token_id=3)
+BLOCK_SIZE = 4
+VARIANTS = {
+    # DSpark as SpecForge's configs train it (all of them vanilla or gated, with a confidence head
+    # on the Markov feature), and its RNN head with a confidence head on the hidden state alone.
+    "dspark_gated": dict(architecture="DSparkDraftModel", markov_head_type="gated", markov_rank=8,
+                         enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=1.0),
+    "dspark_rnn": dict(architecture="DSparkDraftModel", markov_head_type="rnn", markov_rank=8,
+                       enable_confidence_head=True, confidence_head_with_markov=False, confidence_head_alpha=1.0),
+    # DFlash with a sliding-window layer before a full-attention one (its Qwen3.6 config's layout),
+    # the window shorter than the context the anchors have.
+    "dflash_sliding": dict(architecture="DFlashDraftModel", layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=6),
+}
+SEQUENCE = 24
+ANCHORS = 3
+PROMPT = 10  # no anchors in the prompt: every anchor has more context than the window
+
+
+def drafter(name: str, seed: int):
+    """SpecForge's drafter of the variant, seeded random weights, and the target's embedding."""
+    import torch
+    from specforge.modeling.draft.dflash import DFlashDraftModel
+    from specforge.modeling.draft.dspark import DSparkDraftModel
+    from transformers import Qwen3Config
+
+    variant = dict(VARIANTS[name])
+    architecture = variant.pop("architecture")
+    kinds = variant.pop("layer_types", ["full_attention"] * DRAFT_LAYERS)
+    window = variant.pop("sliding_window", None)
+    config = Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS, layer_types=kinds, sliding_window=window,
+                         use_sliding_window=window is not None)
+    config.architectures = [architecture]
+    config.block_size = BLOCK_SIZE
+    config.num_target_layers = TARGET_LAYERS
+    config.dflash_config = {**COMMON, **variant,
+                            **({"projector_type": "dspark", "attention_mode": "gqa"} if variant else {})}
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = (DSparkDraftModel if architecture == "DSparkDraftModel" else DFlashDraftModel)(config).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            spread = 0.2 if param.ndim > 1 else 0.5
+            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
+    embedding = 0.2 * torch.randn(TARGET["vocab_size"], TARGET["hidden_size"])
+    return model, embedding
+
+
+def computed(model, embedding, seed: int) -> dict[str, np.ndarray]:
+    """What SpecForge's training forward computes for each anchored block of random features and
+    tokens: the hidden states its loss receives, the logits it scores and the confidence logits."""
+    import torch
+    from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel, OnlineDSparkModel
+    from torch import nn
+
+    vocab, width = embedding.shape
+    embed_tokens = nn.Embedding(vocab, width, _weight=embedding.clone())
+    lm_head = nn.Linear(width, vocab, bias=False)
+    with torch.no_grad():
+        lm_head.weight.copy_(embedding)  # the tiny target's head is tied
+    dspark = hasattr(model, "markov_head")
+    online = (OnlineDSparkModel if dspark else OnlineDFlashModel)(
+        draft_model=model, target_lm_head=lm_head, target_embed_tokens=embed_tokens,
+        mask_token_id=COMMON["mask_token_id"], block_size=BLOCK_SIZE, attention_backend="sdpa",
+        num_anchors=ANCHORS, objective_chunk_blocks=0)
+    generator = torch.Generator().manual_seed(seed + 1)
+    features = torch.randn(1, SEQUENCE, len(COMMON["target_layer_ids"]) * width, generator=generator)
+    input_ids = torch.randint(4, vocab, (1, SEQUENCE), generator=generator)
+    loss_mask = torch.ones(1, SEQUENCE)
+    loss_mask[:, :PROMPT] = 0
+    captured = {}
+    blocks = online._forward_draft_blocks
+
+    def keep_blocks(*args, **kwargs):
+        captured["anchors"], _, captured["hidden"] = result = blocks(*args, **kwargs)
+        return result
+
+    online._forward_draft_blocks = keep_blocks
+    if dspark:  # the heads' own outputs, as the loss receives them
+        heads = model.apply_logits_head, model.predict_confidence
+
+        def keep_logits(*args, **kwargs):
+            captured["logits"] = result = heads[0](*args, **kwargs)
+            return result
+
+        def keep_confidence(*args, **kwargs):
+            captured["confidence"] = result = heads[1](*args, **kwargs)
+            return result
+
+        model.apply_logits_head, model.predict_confidence = keep_logits, keep_confidence
+    torch.manual_seed(seed + 2)  # the anchors SpecForge samples
+    with torch.no_grad():
+        online(input_ids=input_ids, hidden_states=features, loss_mask=loss_mask,
+               **({"target_last_hidden_states": torch.randn(1, SEQUENCE, width, generator=generator)}
+                  if dspark else {}))
+    anchors = captured["anchors"][0]
+    assert len(anchors) == ANCHORS and int(anchors.min()) >= PROMPT, anchors
+    hidden = captured["hidden"][0].view(ANCHORS, BLOCK_SIZE, width)
+    logits = captured["logits"][0] if dspark else lm_head(hidden)  # DFlash scores the target head's logits
+    result = {"features": features[0], "input_ids": input_ids[0], "anchors": anchors, "embedding": embedding,
+              "hidden": hidden, "corrected_logits": logits.reshape(ANCHORS, BLOCK_SIZE, vocab)}
+    if dspark:
+        result["confidence_logits"] = captured["confidence"][0].reshape(ANCHORS, BLOCK_SIZE)
+    return {key: value.detach().numpy() for key, value in result.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--specforge", required=True, help="the directory holding SpecForge's specforge package")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(args.specforge).resolve()))
+    arrays = {}
+    for name in VARIANTS:
+        seed = zlib.crc32(name.encode())
+        model, embedding = drafter(name, seed)
+        out = FIXTURES / name
+        model.save_pretrained(out, safe_serialization=True)
+        arrays |= {f"{name}/{key}": value for key, value in computed(model, embedding, seed).items()}
+    np.savez_compressed(GOLDEN, **arrays)
+    print(json.dumps({name: sorted(p.name for p in (FIXTURES / name).iterdir()) for name in VARIANTS}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
