@@ -301,6 +301,26 @@ def make(name: str, seed: int) -> dict[str, np.ndarray]:
     return computed(model, core, seed, embedding, draft_ids)
 
 
+def save_checkpoint(out: Path, config: dict, tensors: dict) -> None:
+    """A checkpoint in another program's layout: its ``config.json`` and safetensors."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(out / "model.safetensors"))
+
+
+def saved_verifier(scratch: str, verifier, embedding) -> str:
+    """Where ``verifier`` (a tiny transformers target given ``embedding``) is saved for a
+    converter, which reads its config and embedding."""
+    import torch
+
+    with torch.no_grad():
+        verifier.model.embed_tokens.weight.copy_(embedding)
+    verifier.save_pretrained(f"{scratch}/verifier")
+    return f"{scratch}/verifier"
+
+
 def make_zlab(seed: int) -> dict[str, np.ndarray]:
     """A z-lab DFlash checkpoint (its ``config.json`` layout, the draft layers' tensors without
     embedding or head), converted by speculators' own ``DFlashConverter`` against a tiny verifier
@@ -308,7 +328,6 @@ def make_zlab(seed: int) -> dict[str, np.ndarray]:
     import tempfile
 
     import torch
-    from safetensors.torch import save_file
     from speculators.convert.dflash.converter import DFlashConverter
     from speculators.models.dflash import core as dflash
     from speculators.models.dflash.config import DFlashSpeculatorConfig
@@ -318,20 +337,16 @@ def make_zlab(seed: int) -> dict[str, np.ndarray]:
     body = {k: v.contiguous() for k, v in model.state_dict().items()
             if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
     out = ZLAB_FIXTURE
-    out.mkdir(parents=True, exist_ok=True)
     config = {**Qwen3Config(**TARGET, num_hidden_layers=DRAFT_LAYERS).to_dict(), "architectures": ["DFlashDraftModel"],
               "block_size": COMMON["block_size"], "num_target_layers": TARGET_LAYERS,
               # z-lab numbers taps by decoder layer (its features are hidden_states[id + 1])
               "dflash_config": {"target_layer_ids": [i - 1 for i in AUX_LAYER_IDS],
                                 "mask_token_id": COMMON["mask_token_id"]}}
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(body, str(out / "model.safetensors"))
+    save_checkpoint(out, config, body)
     with tempfile.TemporaryDirectory() as scratch:
-        verifier = Qwen3ForCausalLM(Qwen3Config(**TARGET, num_hidden_layers=TARGET_LAYERS))
-        with torch.no_grad():
-            verifier.model.embed_tokens.weight.copy_(embedding)
-        verifier.save_pretrained(f"{scratch}/verifier")
-        DFlashConverter().convert(out, f"{scratch}/converted", base_model=f"{scratch}/verifier")
+        verifier = saved_verifier(scratch, Qwen3ForCausalLM(Qwen3Config(**TARGET, num_hidden_layers=TARGET_LAYERS)),
+                                  embedding)
+        DFlashConverter().convert(out, f"{scratch}/converted", base_model=verifier)
         converted_config = DFlashSpeculatorConfig.from_pretrained(f"{scratch}/converted")
         assert converted_config.aux_hidden_state_layer_ids == AUX_LAYER_IDS, converted_config
         converted_config.transformer_layer_config._attn_implementation = "eager"
@@ -348,7 +363,6 @@ def make_eagle(name: str, seed: int) -> dict[str, np.ndarray]:
     import tempfile
 
     import torch
-    from safetensors.torch import save_file
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
@@ -375,17 +389,13 @@ def make_eagle(name: str, seed: int) -> dict[str, np.ndarray]:
     if draft_vocab == vocab:  # the authors keep the maps over every token too
         tensors |= {"d2t": torch.zeros(vocab, dtype=torch.long), "t2d": torch.ones(vocab, dtype=torch.bool)}
     out = EAGLE_FIXTURES / name
-    out.mkdir(parents=True, exist_ok=True)
     eagle_config = {**LlamaConfig(**dict(TARGET, tie_word_embeddings=False), num_hidden_layers=1).to_dict(), **fields}
-    (out / "config.json").write_text(json.dumps(eagle_config, indent=2, sort_keys=True) + "\n")
-    save_file(tensors, str(out / "model.safetensors"))
+    save_checkpoint(out, eagle_config, tensors)
     with tempfile.TemporaryDirectory() as scratch:
         # Deep enough that the taps a config without layer ids leaves to it are distinct (2, 4, 5).
-        verifier = LlamaForCausalLM(LlamaConfig(**TARGET, num_hidden_layers=EAGLE_TARGET_LAYERS))
-        with torch.no_grad():
-            verifier.model.embed_tokens.weight.copy_(embedding)
-        verifier.save_pretrained(f"{scratch}/verifier")
-        Eagle3Converter().convert(out, f"{scratch}/converted", base_model=f"{scratch}/verifier", validate=False,
+        verifier = saved_verifier(
+            scratch, LlamaForCausalLM(LlamaConfig(**TARGET, num_hidden_layers=EAGLE_TARGET_LAYERS)), embedding)
+        Eagle3Converter().convert(out, f"{scratch}/converted", base_model=verifier, validate=False,
                                   norm_before_residual=fields.get("norm_before_residual", False),
                                   eagle_aux_hidden_state_layer_ids=variant["layer_ids"])
         converted_config = Eagle3SpeculatorConfig.from_pretrained(f"{scratch}/converted")

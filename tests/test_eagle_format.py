@@ -13,16 +13,13 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax import cli
 from dspark_jax.checkpoints.drafter import drafter_tensors, load_drafter
-from tests.test_speculators import GOLDEN, its_target
+from tests.test_speculators import GOLDEN, eagle3_step_logits, its_target
 from tests.tiny import assert_decodes_losslessly, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_eagle"
@@ -53,17 +50,10 @@ def test_an_eagle_checkpoint_drafts_what_speculators_computes_once_it_converted_
     assert (cfg.tap_layers, cfg.draft_vocab_size, cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual,
             cfg.eagle3_norm_output) == (taps, draft_vocab, feature_norm, before_residual, norm_output)
     np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"eagle/{name}/draft_ids"])
-    embed = jnp.asarray(GOLDEN[f"eagle/{name}/embedding"])
-    features, ids = GOLDEN[f"eagle/{name}/features"], GOLDEN[f"eagle/{name}/input_ids"]
-    graphdef, params = nnx.split(drafter)
-
-    @jax.jit  # eagerly, every op of the steps would compile on its own
-    def ttt_logits(params):
-        model = nnx.merge(graphdef, params)
-        return model.logits(model.forward_train(embed, jnp.asarray(features)[None], jnp.asarray(ids)[None]), embed)
-
+    ids = GOLDEN[f"eagle/{name}/input_ids"]
     want = GOLDEN[f"eagle/{name}/logits"]
-    logits = np.asarray(ttt_logits(params))[: len(want), 0, : len(ids) - 1]
+    logits = eagle3_step_logits(drafter, GOLDEN[f"eagle/{name}/embedding"], GOLDEN[f"eagle/{name}/features"],
+                                ids)[: len(want)]
     assert logits.shape == want.shape == (3, len(ids) - 1, draft_vocab)
     np.testing.assert_allclose(logits, want, atol=5e-5)
 

@@ -151,8 +151,19 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
             cfg.full_attention_layers, cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual,
             cfg.eagle3_norm_output) == EAGLE3[name]
     np.testing.assert_array_equal(drafter.d2t_N, GOLDEN[f"{name}/draft_ids"])
-    embed = jnp.asarray(GOLDEN[f"{name}/embedding"])
-    features, ids = GOLDEN[f"{name}/features"], GOLDEN[f"{name}/input_ids"]
+    ids = GOLDEN[f"{name}/input_ids"]
+    logits = eagle3_step_logits(drafter, GOLDEN[f"{name}/embedding"], GOLDEN[f"{name}/features"], ids)
+    want = GOLDEN[f"{name}/logits"]
+    assert logits.shape == want.shape == (3, len(ids) - 1, cfg.draft_vocab_size)
+    for k in range(cfg.block_size):
+        agree = slice(None) if k == 0 or cfg.sliding_window is None else slice(cfg.sliding_window - k)
+        np.testing.assert_allclose(logits[k, agree], want[k, agree], atol=5e-5, err_msg=f"step {k}")
+
+
+def eagle3_step_logits(drafter, embedding, features, ids) -> np.ndarray:
+    """An EAGLE-3 drafter's logits at each training-time-test step, ``[γ, len(ids) - 1, V]``, on
+    tapped features and tokens aligned as speculators' data pipeline aligns them."""
+    embed = jnp.asarray(embedding)
     graphdef, params = nnx.split(drafter)
 
     @jax.jit  # eagerly, every op of the steps would compile on its own
@@ -160,12 +171,7 @@ def test_a_speculators_eagle3_checkpoint_drafts_what_speculators_computed(name):
         model = nnx.merge(graphdef, params)
         return model.logits(model.forward_train(embed, jnp.asarray(features)[None], jnp.asarray(ids)[None]), embed)
 
-    logits = np.asarray(ttt_logits(params))[:, 0, : len(ids) - 1]
-    want = GOLDEN[f"{name}/logits"]
-    assert logits.shape == want.shape == (3, len(ids) - 1, cfg.draft_vocab_size)
-    for k in range(cfg.block_size):
-        agree = slice(None) if k == 0 or cfg.sliding_window is None else slice(cfg.sliding_window - k)
-        np.testing.assert_allclose(logits[k, agree], want[k, agree], atol=5e-5, err_msg=f"step {k}")
+    return np.asarray(ttt_logits(params))[:, 0, : len(ids) - 1]
 
 
 @pytest.mark.parametrize("name", EAGLE3)
