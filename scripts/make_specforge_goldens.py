@@ -6,7 +6,8 @@ fields in a nested ``dflash_config``, tensors under DeepSpec's names. This scrip
 SpecForge's own model and training classes from a checkout (``--specforge DIR``, the directory
 holding its ``specforge`` package: ``git archive HEAD specforge`` of the repository; commit
 a6b6b02, 2026-08-08, was used) and needs torch and transformers (the venv of
-``scripts/make_speculators_goldens.py`` has them)::
+``scripts/make_speculators_goldens.py`` has them) and triton (its EAGLE-3 trainer imports its
+kernels; ``pip install triton``; nothing here runs them)::
 
     HF_HUB_OFFLINE=1 /tmp/specvenv/bin/python scripts/make_specforge_goldens.py --specforge /tmp/specforge
 
@@ -20,7 +21,9 @@ attention over its dense training masks) runs on random tapped features and toke
 ``tests/goldens/tiny_specforge.npz`` keeps the inputs (the target's embedding, which is its tied
 head too, the features, tokens and sampled anchors) and, for each anchored block, the hidden
 states the loss receives, the logits it scores (Markov-corrected for DSpark: the drafter's own
-``apply_logits_head``) and the confidence logits (``predict_confidence``).
+``apply_logits_head``) and the confidence logits (``predict_confidence``). It also keeps the
+logits of each step of SpecForge's EAGLE-3 training-time-test loop over two of the EAGLE-3
+fixtures ``make_speculators_goldens.py`` writes (``EAGLE_VARIANTS``; run that script first).
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ VARIANTS = {
 SEQUENCE = 24
 ANCHORS = 3
 PROMPT = 10  # no anchors in the prompt: every anchor has more context than the window
+# EAGLE-3 checkpoints in SpecForge's and the EAGLE authors' layout: the fixtures and inputs
+# ``make_speculators_goldens.py`` writes (run it first), loaded by SpecForge's own
+# ``LlamaForCausalLMEagle3`` and run through its training-time-test loop (``OnlineEagle3Model``).
+# Not its EAGLE 3.1 one: SpecForge reads ``norm_output`` otherwise than vLLM (``checkpoints.eagle``).
+EAGLE_FIXTURES = REPO / "tests" / "fixtures" / "tiny_eagle"
+EAGLE_INPUTS = REPO / "tests" / "goldens" / "tiny_speculators.npz"
+EAGLE_VARIANTS = ("specforge", "authors")
+TTT_STEPS = 3
 
 
 def drafter(name: str, seed: int):
@@ -148,6 +159,44 @@ def computed(model, embedding, seed: int) -> dict[str, np.ndarray]:
     return {key: value.detach().numpy() for key, value in result.items()}
 
 
+def make_eagle(name: str) -> dict[str, np.ndarray]:
+    """The logits of each step of SpecForge's training-time-test loop over an EAGLE-3 fixture, on
+    the speculators golden's features and tokens for it, aligned as SpecForge's data pipeline
+    aligns them (token t + 1 with the features of position t)."""
+    import torch
+    from safetensors.torch import load_file
+    from specforge.algorithms.eagle3.model import OnlineEagle3Model
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+    from transformers import LlamaConfig
+
+    inputs = np.load(EAGLE_INPUTS)
+    embedding = torch.from_numpy(inputs[f"eagle/{name}/embedding"])
+    features = torch.from_numpy(inputs[f"eagle/{name}/features"])[None, :-1]
+    ids = torch.from_numpy(inputs[f"eagle/{name}/input_ids"])[None, 1:]
+    # Built, then given the checkpoint's tensors: transformers 5's from_pretrained builds on the
+    # meta device, which leaves the rotary tables SpecForge's attention computes at init unset.
+    model = LlamaForCausalLMEagle3(LlamaConfig.from_pretrained(EAGLE_FIXTURES / name), attention_backend="sdpa").eval()
+    missing, unexpected = model.load_state_dict(load_file(EAGLE_FIXTURES / name / "model.safetensors"), strict=False)
+    assert not unexpected and set(missing) <= {"embed_tokens.weight"}, (missing, unexpected)
+    with torch.no_grad():  # SpecForge's trainer loads the target's embedding (load_embedding)
+        model.embed_tokens.weight.copy_(embedding)
+    online = OnlineEagle3Model(draft_model=model, length=TTT_STEPS, attention_backend="sdpa")
+    steps = []
+
+    def keep_logits(*, logits, **_):  # each step's logits; its loss (triton kernels) is not needed
+        steps.append(logits[0])
+        return (torch.zeros(()),) * 7
+
+    online._acc_and_loss = keep_logits
+    length = ids.shape[1]
+    with torch.no_grad():
+        online(input_ids=ids, attention_mask=torch.ones(1, length, dtype=torch.long),
+               target=torch.randn(1, length, embedding.shape[0]), loss_mask=torch.ones(1, length, 1),
+               hidden_states=features)
+    assert len(steps) == TTT_STEPS
+    return {"logits": torch.stack(steps).numpy()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--specforge", required=True, help="the directory holding SpecForge's specforge package")
@@ -160,6 +209,8 @@ def main() -> int:
         out = FIXTURES / name
         model.save_pretrained(out, safe_serialization=True)
         arrays |= {f"{name}/{key}": value for key, value in computed(model, embedding, seed).items()}
+    for name in EAGLE_VARIANTS:
+        arrays |= {f"eagle/{name}/{key}": value for key, value in make_eagle(name).items()}
     np.savez_compressed(GOLDEN, **arrays)
     print(json.dumps({name: sorted(p.name for p in (FIXTURES / name).iterdir()) for name in VARIANTS}))
     return 0

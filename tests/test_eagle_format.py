@@ -1,10 +1,13 @@
 """EAGLE-3 drafters as the EAGLE authors save them and SpecForge exports them (``LlamaForCausalLMEagle3``,
-``checkpoints.eagle``) draft what speculators computes once its own converter has converted them.
+``checkpoints.eagle``) draft what speculators computes once its own converter has converted them,
+and what SpecForge's own model and training loop compute.
 
 ``tests/fixtures/tiny_eagle/<variant>/`` are tiny checkpoints in that layout, and
 ``tests/goldens/tiny_speculators.npz`` (``eagle/<variant>/...``) holds what speculators' training
 forward computed on each after its ``Eagle3Converter`` converted it
-(``scripts/make_speculators_goldens.py``, run with speculators 0.9.0; CI needs none of it).
+(``scripts/make_speculators_goldens.py``, run with speculators 0.9.0);
+``tests/goldens/tiny_specforge.npz`` what SpecForge computed on two of them
+(``scripts/make_specforge_goldens.py``). CI needs none of it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from dspark_jax import cli
+from dspark_jax.checkpoints import eagle
 from dspark_jax.checkpoints.drafter import drafter_tensors, load_drafter
+from tests.test_deepspec import SHAPE
 from tests.test_speculators import GOLDEN, eagle3_step_logits, its_target
 from tests.tiny import assert_decodes_losslessly, tiny_target
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_eagle"
+SPECFORGE = np.load(Path(__file__).parent / "goldens" / "tiny_specforge.npz")  # make_specforge_goldens.py
 TARGET_LAYERS = 8  # deep enough for the taps a config without layer ids leaves to the target
 # (tap_layers, draft_vocab_size, eagle3_feature_norm, norm_before_residual, norm_output, records its target)
 EXPECTED = {
@@ -44,7 +50,8 @@ def test_an_eagle_checkpoint_drafts_what_speculators_computes_once_it_converted_
     drafter drafts 7 (the format does not say γ)."""
     drafter = load_drafter(FIXTURES / name, target=target_of(name))
     cfg = drafter.cfg
-    taps, draft_vocab, feature_norm, before_residual, norm_output, _ = EXPECTED[name]
+    taps, draft_vocab, feature_norm, before_residual, norm_output, records = EXPECTED[name]
+    assert (eagle.trained_for(FIXTURES / name, {}) is not None) == records  # SpecForge's copy of the embedding
     assert (cfg.kind, cfg.block_size, cfg.backbone.num_layers, cfg.backbone.qk_norm, cfg.sliding_window) == (
         "eagle3", 7, 1, False, None)  # specforge's Qwen window fields are not a Llama layer's
     assert (cfg.tap_layers, cfg.draft_vocab_size, cfg.eagle3_feature_norm, cfg.eagle3_norm_before_residual,
@@ -58,10 +65,25 @@ def test_an_eagle_checkpoint_drafts_what_speculators_computes_once_it_converted_
     np.testing.assert_allclose(logits, want, atol=5e-5)
 
 
-@pytest.mark.parametrize("name", EXPECTED)
-def test_an_eagle_drafter_decodes_its_target_losslessly(name):
-    target = target_of(name)
-    assert_decodes_losslessly(target, load_drafter(FIXTURES / name, target=target))
+@pytest.mark.parametrize("name", ["specforge", "authors"])
+def test_an_eagle_checkpoint_drafts_what_specforge_computes(name):
+    """The same checkpoints through SpecForge's own ``LlamaForCausalLMEagle3`` and its
+    training-time-test loop (``scripts/make_specforge_goldens.py``), on the same features and
+    tokens: each step's logits over the draft vocabulary."""
+    drafter = load_drafter(FIXTURES / name, target=target_of(name))
+    ids = GOLDEN[f"eagle/{name}/input_ids"]
+    want = SPECFORGE[f"eagle/{name}/logits"]
+    logits = eagle3_step_logits(drafter, GOLDEN[f"eagle/{name}/embedding"], GOLDEN[f"eagle/{name}/features"],
+                                ids)[: len(want)]
+    assert logits.shape == want.shape == (3, len(ids) - 1, drafter.cfg.draft_vocab_size)
+    np.testing.assert_allclose(logits, want, atol=5e-5)
+
+
+def test_an_eagle_drafter_decodes_its_target_losslessly():
+    """SpecForge's export (its reduced vocabulary mapped back to target ids); the others decode
+    through the same paths as speculators' EAGLE-3 drafters (``tests/test_speculators.py``)."""
+    target = target_of("specforge")
+    assert_decodes_losslessly(target, load_drafter(FIXTURES / "specforge", target=target))
 
 
 def edited(tmp_path, name: str, edit=None, drop=(), rename=None) -> Path:
@@ -133,18 +155,12 @@ def test_an_eagle_checkpoint_is_refused_by_name_where_it_cannot_load(tmp_path):
         load_drafter(pickled, target=target_of("authors"))
     # SpecForge's copy of the target's embedding identifies its target; the authors' keep none.
     with pytest.raises(ValueError, match="trained for another target of this width and vocabulary"):
-        load_drafter(FIXTURES / "specforge", target=tiny_target(num_layers=TARGET_LAYERS, **_shape()))
-    load_drafter(FIXTURES / "authors", target=tiny_target(num_layers=TARGET_LAYERS, **_shape()))
+        load_drafter(FIXTURES / "specforge", target=tiny_target(**{**SHAPE, "num_layers": TARGET_LAYERS}))
+    load_drafter(FIXTURES / "authors", target=tiny_target(**{**SHAPE, "num_layers": TARGET_LAYERS}))
     # Without ids, the taps are the target's to settle.
     with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids is not set, so the tapped layers depend on "
                                          "the target's depth"):
         load_drafter(FIXTURES / "authors")
-
-
-def _shape() -> dict:
-    from tests.test_deepspec import SHAPE
-
-    return {key: value for key, value in SHAPE.items() if key != "num_layers"}
 
 
 def test_convert_writes_an_eagle_checkpoint_as_a_dspark_jax_drafter(tmp_path):
@@ -158,7 +174,7 @@ def test_convert_writes_an_eagle_checkpoint_as_a_dspark_jax_drafter(tmp_path):
     for key, value in drafter_tensors(original).items():
         np.testing.assert_array_equal(drafter_tensors(converted)[key], value, err_msg=key)
     config = json.loads((out / "config.json").read_text())
-    assert config["target"]["num_layers"] is None and config["metadata"]["eagle_config"]["draft_vocab_size"] == 61
+    assert config["target"]["num_layers"] is None and config["metadata"]["eagle3_config"]["draft_vocab_size"] == 61
     with pytest.raises(SystemExit, match="eagle_aux_hidden_state_layer_ids is not set"):
         cli.main(["convert", "--drafter", str(FIXTURES / "authors"), "--out", str(tmp_path / "authors")])
 

@@ -18,11 +18,11 @@ and reads them as vLLM and SGLang do where the converter differs:
   every id in transformers' numbering, one layer before the one SpecForge trained on. Without ids:
   the target's hidden states 2, n // 2 and n - 3, as all of them take it.
 * ``norm_before_residual``, ``norm_before_fc`` or ``fc_norm``, and ``norm_output`` (EAGLE 3.1: the
-  normed output also fed back) as vLLM reads them. speculators' converter takes all but the first
-  from the config too (that one from its command line, given here as the config says), and it
-  drops ``fc_norm``'s weights, so a converted EAGLE 3.1 drafter starts those norms afresh.
-  SpecForge's trainer (August 2026) reads ``norm_output`` otherwise: whether the head normalises
-  its input at all, true by default.
+  normed output also fed back) as vLLM reads them. speculators' converter reads all but
+  ``norm_before_residual`` (a command-line option there) from the config too, and it drops
+  ``fc_norm``'s weights, so a converted EAGLE 3.1 drafter starts those norms afresh. SpecForge's
+  trainer (August 2026) reads ``norm_output`` otherwise: whether the head normalises its input at
+  all, true by default.
 * γ is not in the format (vLLM and SGLang take it from their command lines): 7, the
   training-time-test length the EAGLE authors and SpecForge train with; ``--policy fixed:K``
   drafts fewer.
@@ -45,7 +45,7 @@ from dspark_jax.checkpoints.deepspec import (
 )
 from dspark_jax.config import as_int, as_ints
 
-NAME = "eagle"
+NAME = "eagle3"  # converted drafters keep its config.json as metadata "eagle3_config"
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # SpecForge's, and vLLM's name for it
 AUTHORS_ARCHITECTURE = "LlamaForCausalLM"  # the EAGLE authors' configs, told from a model by draft_vocab_size
 FIRST_LAYER = "midlayer."  # vLLM and speculators' converter read it as layers.0.
@@ -129,10 +129,9 @@ def read_drafter(directory, cfg):
     ``draft_head.d2t``), its layer read from ``midlayer.`` (or ``layers.0.``, as vLLM names it)."""
     from dspark_jax.checkpoints.hf import safetensors_files
 
-    first = FIRST_LAYER if any(name.startswith(FIRST_LAYER) for name in safetensors_files(Path(directory))) else None
     sources = eagle3_tensor_sources(cfg)
-    if first is not None:
-        sources = {ours: tuple(first + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
+    if any(name.startswith(FIRST_LAYER) for name in safetensors_files(Path(directory))):
+        sources = {ours: tuple(FIRST_LAYER + name.removeprefix("layers.0.") if name.startswith("layers.0.") else name
                                for name in theirs) for ours, theirs in sources.items()}
     return speculators.read_mapped(directory, cfg, sources, described="EAGLE-3 drafter")
 
@@ -140,7 +139,7 @@ def read_drafter(directory, cfg):
 def trained_for(directory, raw: dict) -> dict | None:
     """The record of the checkpoint's target (``checkpoints.drafter.identity``): a sketch of the
     copy of its embedding SpecForge keeps, without the depth, which the config does not say; None
-    for the authors' checkpoints, which keep none."""
+    where it keeps no copy."""
     from dspark_jax.checkpoints.drafter import embedding_sketch, identity
 
     sketch = embedding_sketch(directory)
