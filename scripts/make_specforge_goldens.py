@@ -54,6 +54,10 @@ VARIANTS = {
                          enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=1.0),
     "dspark_rnn": dict(architecture="DSparkDraftModel", markov_head_type="rnn", markov_rank=8,
                        enable_confidence_head=True, confidence_head_with_markov=False, confidence_head_alpha=1.0),
+    # DSpark on DFlash's sliding-window layout, which its class inherits (its configs use full attention).
+    "dspark_sliding": dict(architecture="DSparkDraftModel", markov_head_type="vanilla", markov_rank=8,
+                           enable_confidence_head=True, confidence_head_with_markov=True, confidence_head_alpha=1.0,
+                           layer_types=["sliding_attention", "full_attention"], sliding_window=6),
     # DFlash with a sliding-window layer before a full-attention one (its Qwen3.6 config's layout),
     # the window shorter than the context the anchors have.
     "dflash_sliding": dict(architecture="DFlashDraftModel", layer_types=["sliding_attention", "full_attention"],
@@ -89,7 +93,7 @@ def drafter(name: str, seed: int):
     config.block_size = BLOCK_SIZE
     config.num_target_layers = TARGET_LAYERS
     config.dflash_config = {**COMMON, **variant,
-                            **({"projector_type": "dspark", "attention_mode": "gqa"} if variant else {})}
+                            **({"projector_type": "dspark", "attention_mode": "gqa"} if "markov_rank" in variant else {})}
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = (DSparkDraftModel if architecture == "DSparkDraftModel" else DFlashDraftModel)(config).eval()

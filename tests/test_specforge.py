@@ -28,15 +28,17 @@ GOLDEN = np.load(Path(__file__).parent / "goldens" / "tiny_specforge.npz")
 # DFlash on token k (z-lab's: slot 0 drafts nothing).
 EXPECTED = {"dspark_gated": ("dspark", "gated", True, True, True, 4),
             "dspark_rnn": ("dspark", "rnn", True, False, True, 4),
+            "dspark_sliding": ("dspark", "vanilla", True, True, True, 4),
             "dflash_sliding": ("dflash", "none", False, False, False, 3)}
+SLIDING = ("dspark_sliding", "dflash_sliding")  # a 6-position window before a full-attention layer
 
 
 @pytest.mark.parametrize("name", EXPECTED)
 def test_a_specforge_export_drafts_what_specforge_computed(name):
     """Each anchored block's hidden states, the logits SpecForge's loss scores (Markov-corrected
     for DSpark) and the confidence logits, against its own training forward on the same tapped
-    features and tokens. ``dflash_sliding``'s first layer sees 6 positions up to each slot's own,
-    causally within the block (SpecForge's training mask, z-lab's and vLLM's rule), its second
+    features and tokens. The ``SLIDING`` ones' first layer sees 6 positions up to each slot's own,
+    causally within the block (SpecForge's training mask, z-lab's and vLLM's rule), their second
     all of them; every anchor has more context than that."""
     drafter = load_drafter(FIXTURES / name)
     cfg = drafter.cfg
@@ -44,7 +46,7 @@ def test_a_specforge_export_drafts_what_specforge_computed(name):
             cfg.block_size) == EXPECTED[name]
     assert cfg.tap_layers == (0, 2) and cfg.mask_token_id == 3 and cfg.block_slots == 4
     assert (cfg.sliding_window, cfg.window_per_slot, cfg.block_causal, cfg.full_attention_layers) == (
-        (6, True, True, (1,)) if name == "dflash_sliding" else (None, False, False, ()))
+        (6, True, True, (1,)) if name in SLIDING else (None, False, False, ()))
     drafts_as_computed(drafter, name, GOLDEN)
 
 
@@ -75,3 +77,19 @@ def test_a_specforge_export_takes_specforge_defaults_for_the_fields_it_leaves_ou
         load_drafter(without("dspark_rnn", "enable_confidence_head", "confidence_head_alpha"))
     with pytest.raises(ValueError, match="confidence_head_alpha is 'high', not a number: the checkpoint is damaged"):
         load_drafter(without("dspark_rnn", "enable_confidence_head", confidence_head_alpha="high"))
+
+
+def test_a_specforge_export_whose_config_states_causality_is_refused_where_specforge_would_ignore_it(tmp_path):
+    """SpecForge masks sliding-window layers causally within the block whatever ``is_causal``
+    says, and a DSpark export's full-attention layers bidirectionally."""
+    for name, causal, message in (("dspark_sliding", False, "is_causal False with sliding-window layers: SpecForge "
+                                                            "masks a DSparkDraftModel's sliding-window layers causally"),
+                                  ("dspark_sliding", True, "is_causal true: a DSparkDraftModel attends within a block "
+                                                           "bidirectionally"),
+                                  ("dspark_gated", True, "is_causal true: a DSparkDraftModel attends within a block "
+                                                         "bidirectionally")):
+        directory = shutil.copytree(FIXTURES / name, tmp_path / f"copy{len(list(tmp_path.iterdir()))}")
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "is_causal": causal}))
+        with pytest.raises(ValueError, match=message):
+            load_drafter(directory)

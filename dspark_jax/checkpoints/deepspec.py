@@ -36,10 +36,14 @@ them: a ``sliding_attention`` layer causally within its block, over the ``slidin
 positions up to each slot's own (``window_per_slot``), a ``full_attention`` layer
 bidirectionally, unless ``is_causal`` (or vLLM's older ``causal``) states every layer's.
 
+A ``DSparkDraftModel``'s sliding-window layers attend as SpecForge's training masks them, which
+is z-lab's rule for DFlash's.
+
 Refused by name: other architectures (Gemma 4 drafters), ``target_layer_ids`` of -1 (the
-embedding output) or of the target's last layer, sliding-window layers and stated causality in
-DeepSpec's checkpoints and their exports, attention biases, and the scales z-lab's code applies
-for targets that scale their embeddings and logits (``NEUTRAL_SCALES``).
+embedding output) or of the target's last layer, sliding-window layers in DeepSpec's checkpoints,
+stated causality in them and their exports (but false with full attention alone), attention
+biases, and the scales z-lab's code applies for targets that scale their embeddings and logits
+(``NEUTRAL_SCALES``).
 speculators' DSpark and DFlash checkpoints (``checkpoints.speculators``) share these tensor names.
 
 Like ``checkpoints.speculators``, this module is a reader ``checkpoints.drafter`` dispatches to:
@@ -144,13 +148,17 @@ def read_config(directory, target_depth: int | None = None) -> tuple[DrafterConf
                      "(for targets that scale theirs), which dspark-jax drafters do not")
     causal = _stated_causality(raw, refuse)
     if not zlab:  # DeepSpec's DSpark attends within a block bidirectionally, in full-attention layers
-        if any(kind != "full_attention" for kind in raw.get("layer_types") or []):
+        if architecture == ARCHITECTURE and any(kind != "full_attention" for kind in raw.get("layer_types") or []):
             raise refuse(f"layer_types {raw['layer_types']}: sliding-window draft layers are not supported in "
                          f"{architecture} checkpoints")
         if causal:
             raise refuse(f"is_causal true: a {architecture} attends within a block bidirectionally")
     backbone, window, full = draft_layers(raw, refuse)  # the target's Qwen3 config, at the drafter's depth
-    attention = _zlab_attention(window, full, causal, refuse) if zlab else {}
+    if not zlab and window is not None and causal is not None:
+        raise refuse(f"is_causal {causal} with sliding-window layers: SpecForge masks a {EXPORTED}'s sliding-window "
+                     "layers causally within the block, as z-lab runs DFlash's, whatever the config says")
+    # SpecForge trains an export's sliding-window layers with its DFlash masks: z-lab's rule.
+    attention = _zlab_attention(window, full, causal, refuse) if zlab or window is not None else {}
     if zlab and gamma < 2:
         raise refuse(f"block_size {gamma}: slot 0 of a {ZLAB_DFLASH} block drafts nothing, so this block drafts "
                      "no token")
