@@ -37,7 +37,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_speculators_goldens import TARGET  # noqa: E402  (the tiny target of the other goldens)
+# The tiny target of the other goldens, and the EAGLE-3 fixtures and inputs that script writes.
+from make_speculators_goldens import EAGLE_FIXTURES, TARGET, TTT_STEPS  # noqa: E402
+from make_speculators_goldens import GOLDEN as EAGLE_INPUTS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "tiny_specforge"
@@ -70,10 +72,7 @@ PROMPT = 10  # no anchors in the prompt: every anchor has more context than the 
 # ``make_speculators_goldens.py`` writes (run it first), loaded by SpecForge's own
 # ``LlamaForCausalLMEagle3`` and run through its training-time-test loop (``OnlineEagle3Model``).
 # Not its EAGLE 3.1 one: SpecForge reads ``norm_output`` otherwise than vLLM (``checkpoints.eagle``).
-EAGLE_FIXTURES = REPO / "tests" / "fixtures" / "tiny_eagle"
-EAGLE_INPUTS = REPO / "tests" / "goldens" / "tiny_speculators.npz"
 EAGLE_VARIANTS = ("specforge", "authors")
-TTT_STEPS = 3
 
 
 def drafter(name: str, seed: int):

@@ -51,9 +51,11 @@ def test_a_specforge_export_drafts_what_specforge_computed(name):
 
 
 def test_a_specforge_export_decodes_its_target_losslessly():
-    """The gated DSpark export; its DFlash layout decodes as z-lab's (``tests/test_zlab.py``)."""
-    target = its_target("dspark_gated", GOLDEN)
-    assert_decodes_losslessly(target, load_drafter(FIXTURES / "dspark_gated", target=target))
+    """The DSpark export on the sliding-window layout, past its window: no other fixture puts a
+    Markov head on windows counted from each slot (the others decode in ``tests/test_zlab.py``,
+    ``tests/test_deepspec.py`` and ``tests/test_speculators.py``)."""
+    target = its_target("dspark_sliding", GOLDEN)
+    assert_decodes_losslessly(target, load_drafter(FIXTURES / "dspark_sliding", target=target))
 
 
 def test_a_specforge_export_takes_specforge_defaults_for_the_fields_it_leaves_out(tmp_path):
