@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_deepspec_goldens import randomize  # noqa: E402  (seeded weights, norms around 1)
+
 # The tiny target of the other goldens, and the EAGLE-3 fixtures and inputs that script writes.
 from make_speculators_goldens import EAGLE_FIXTURES, TARGET, TTT_STEPS  # noqa: E402
 from make_speculators_goldens import GOLDEN as EAGLE_INPUTS  # noqa: E402
@@ -96,10 +98,7 @@ def drafter(name: str, seed: int):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = (DSparkDraftModel if architecture == "DSparkDraftModel" else DFlashDraftModel)(config).eval()
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            spread = 0.2 if param.ndim > 1 else 0.5
-            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
+    randomize(model)
     embedding = 0.2 * torch.randn(TARGET["vocab_size"], TARGET["hidden_size"])
     return model, embedding
 

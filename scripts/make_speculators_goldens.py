@@ -50,6 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
+# Seeded random weights, norms around 1, as the DeepSpec goldens draw them.
+from make_deepspec_goldens import randomize as randomize_parameters
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "tiny_speculators"
 GOLDEN = REPO / "tests" / "goldens" / "tiny_speculators.npz"
@@ -226,10 +229,8 @@ def randomize(model, draft_vocab_size: int):
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[draft_ids] = True
         model.load_vocab_mappings(t2d, draft_ids - torch.arange(draft_vocab_size))
+    randomize_parameters(model)
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            spread = 0.2 if param.ndim > 1 else 0.5
-            param.copy_((1.0 if param_name.endswith("norm.weight") else 0.0) + spread * torch.randn_like(param))
         model.embed_tokens.weight.copy_(embedding)
         model.lm_head.weight.copy_(embedding[draft_ids])
         model.verifier_lm_head.weight.copy_(embedding[draft_ids])
