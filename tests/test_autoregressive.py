@@ -85,6 +85,10 @@ def test_taps_are_the_forward_over_prompt_and_answer(shallow_generator, prompts,
         assert result.taps[row].shape == (len(sequence), len(layers) * target.cfg.hidden_size)
         # A decode step and a whole-sequence forward round their float32 products differently.
         np.testing.assert_allclose(result.taps[row], whole.taps[row, : len(sequence)], rtol=1e-3, atol=1e-3)
+    # Prompts of other lengths compile nothing more: their taps are cut on the host.
+    with count_compilations() as counter:
+        tapping.generate([p[:-2] for p in prompts], max_new_tokens=3, max_len=256)
+    assert counter.count == 0
 
 
 def test_no_recompilation_after_warmup(shallow_generator, prompts):

@@ -72,6 +72,11 @@ def algorithm_1(a_BxG, active_B, widths, costs, baseline_cost=None, floor=0):
     return lengths
 
 
+# As the decoder runs it (inside jit): the tests below call it hundreds of times, which op by op
+# would dispatch every primitive eagerly.
+jitted_prefix_lengths = jax.jit(prefix_lengths, static_argnames=("widths", "costs", "baseline_cost"))
+
+
 def random_survival(rng, batch, gamma):
     c = 1.0 - rng.beta(1.0, 4.0, (batch, gamma))  # mostly confident, some not
     c[rng.uniform(size=c.shape) < 0.1] = 1.0  # exact ties inside a request
@@ -94,18 +99,18 @@ def test_matches_algorithm_1(curve):
         batch = int(rng.integers(1, 5))
         a = random_survival(rng, batch, 7)
         active = rng.uniform(size=batch) < 0.8
-        got = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs))
+        got = np.asarray(jitted_prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs))
         assert got.tolist() == algorithm_1(a, active, widths, costs)
         assert (got[~active] == 0).all()
         chosen.update(got[active].tolist())
         # Against a cheaper "verify nothing" (a round without a draft), fewer drafts pay.
         plain = 0.8 * costs[0]
-        cheaper = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, baseline_cost=plain))
+        cheaper = np.asarray(jitted_prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, baseline_cost=plain))
         assert cheaper.tolist() == algorithm_1(a, active, widths, costs, baseline_cost=plain)
         assert cheaper.tolist() in (got.tolist(), [0] * batch)  # only the first admission differs
         # From a planned floor: those drafts first, then the search as from zero.
         floor = int(rng.integers(0, 9))
-        planned = np.asarray(prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, floor=jnp.int32(floor)))
+        planned = np.asarray(jitted_prefix_lengths(jnp.asarray(a), jnp.asarray(active), widths, costs, floor=jnp.int32(floor)))
         assert planned.tolist() == algorithm_1(a, active, widths, costs, floor=floor)
         assert (planned[active] >= min(floor, 7)).all() and (planned[~active] == 0).all()
     assert len(chosen) >= 3, chosen  # the cases exercise several prefix lengths
@@ -159,12 +164,12 @@ def test_admission_of_a_draft_does_not_depend_on_the_draft_itself(curve):
     for case in range(120):
         floor = 0 if case < 60 else int(rng.integers(1, 7))  # a planned floor: the same must hold above it
         c = rng.uniform(0.05, 1.0, (3, 7))
-        base = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(c, 1), jnp.float32), active, widths, costs, floor=floor))
+        base = np.asarray(jitted_prefix_lengths(jnp.asarray(np.cumprod(c, 1), jnp.float32), active, widths, costs, floor=floor))
         r, k = int(rng.integers(3)), int(rng.integers(1, 7))
         for _ in range(5):
             changed = c.copy()
             changed[r, k:] = rng.uniform(0.0, 1.0, 7 - k)
-            got = np.asarray(prefix_lengths(jnp.asarray(np.cumprod(changed, 1), jnp.float32), active, widths, costs,
+            got = np.asarray(jitted_prefix_lengths(jnp.asarray(np.cumprod(changed, 1), jnp.float32), active, widths, costs,
                                             floor=floor))
             assert (got[r] >= k) == (base[r] >= k)
 

@@ -424,8 +424,11 @@ class AutoregressiveGenerator:
                 first = np.asarray(token_B)
                 prefill_s += time.perf_counter() - start
                 if taps is not None:
+                    # One transfer, then host slices (copies, not views of the padded batch):
+                    # slicing the device array would compile a program for every prompt length.
+                    prompt_taps = np.asarray(prompt_taps)
                     for i, (request, n) in enumerate(zip(joining, fill_lens)):
-                        taps[request].append(np.asarray(prompt_taps[i, :n]))
+                        taps[request].append(prompt_taps[i, :n].copy())
                 emit(rows, first)
                 if on_step is not None:
                     on_step(first)
