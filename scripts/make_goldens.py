@@ -665,11 +665,9 @@ def main(argv=None) -> int:
         )
 
     if "chat" in parts:
-        from gguf import GGUFReader
+        from dspark_jax.checkpoints.gguf import embedded_gguf_path, read_gguf, tokenizer_from_gguf
 
-        from dspark_jax.checkpoints.gguf import embedded_gguf_path, tokenizer_from_gguf
-
-        tokenizer = tokenizer_from_gguf(GGUFReader(str(embedded_gguf_path())))
+        tokenizer = tokenizer_from_gguf(read_gguf(embedded_gguf_path()))
         path = GOLDENS / "chat_templates.json"
         path.write_text(json.dumps(chat_reference(tokenizer), indent=1, ensure_ascii=False) + "\n")
         print(f"wrote {path.relative_to(ROOT)}")

@@ -253,6 +253,8 @@ def metadata_gguf(path, fill):
     for the checks that read the metadata alone."""
     import gguf
 
+    from dspark_jax.checkpoints.gguf import read_gguf
+
     writer = gguf.GGUFWriter(str(path), "llama")
     fill(writer)
     writer.add_token_list(["a", "b"])
@@ -260,7 +262,7 @@ def metadata_gguf(path, fill):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return read_gguf(path)
 
 
 def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
@@ -270,6 +272,52 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path):
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(ValueError, match=f"{garbage} is not a GGUF file"):
         load_gguf(garbage, cache=False)
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_read_gguf_reads_what_ggufs_own_reader_reads(tmp_path, endian):
+    """``read_gguf`` parses from a plain view of the file instead of gguf's memmap slices (3x
+    faster on a vocabulary); every field and tensor must be the one ``gguf.GGUFReader`` gives:
+    the embedded GGUF (quantized tensors, 98k vocabulary strings), and a big-endian file, which
+    only a correct byte order reads back."""
+    import gguf
+
+    from dspark_jax.checkpoints.gguf import embedded_gguf_path, read_gguf
+
+    if endian == "little":
+        path = embedded_gguf_path()
+    else:
+        path = tmp_path / "big.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG)
+        writer.add_block_count(3)
+        writer.add_rope_freq_base(12345.5)
+        writer.add_token_list(["a", "bé", "<|x|>"])
+        writer.add_token_scores([0.5, -1.0, 2.0])
+        writer.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+        writer.add_tensor("ids", np.array([1, -2, 3], dtype=np.int32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    ours, theirs = read_gguf(path), gguf.GGUFReader(str(path))
+    assert ours.byte_order == theirs.byte_order == ("S" if endian == "big" else "I")
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.types, got.data) == (field.offset, field.types, field.data), name
+        assert len(got.parts) == len(field.parts), name
+        for a, b in zip(got.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        assert got.contents() == field.contents(), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for got, tensor in zip(ours.tensors, theirs.tensors):
+        assert (got.name, got.tensor_type, list(got.shape), got.data_offset) == (
+            tensor.name, tensor.tensor_type, list(tensor.shape), tensor.data_offset)
+        assert got.data.dtype == tensor.data.dtype and np.array_equal(got.data, tensor.data), tensor.name
+    if endian == "big":
+        assert ours.fields["llama.block_count"].contents() == 3
+        assert ours.fields["tokenizer.ggml.tokens"].contents() == ["a", "bé", "<|x|>"]
+        np.testing.assert_array_equal(ours.tensors[1].data, [1, -2, 3])
 
 
 def test_the_embedded_target_can_skip_the_converted_copy(monkeypatch):

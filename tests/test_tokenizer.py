@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from dspark_jax.checkpoints.gguf import tokenizer_from_gguf
+from dspark_jax.checkpoints.gguf import read_gguf, tokenizer_from_gguf
 from dspark_jax.tokenizer import Tokenizer
 
 BOS, EOS = "<|begin_of_text|>", "<|eot_id|>"
@@ -171,7 +171,7 @@ def gguf_vocabulary(path, tokens, types, *, merges=(), pre=None, metadata=None) 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    return tokenizer_from_gguf(gguf.GGUFReader(str(path)))
+    return tokenizer_from_gguf(read_gguf(path))
 
 
 def test_a_gguf_vocabulary_without_merges_loads(tmp_path):

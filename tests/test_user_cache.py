@@ -85,7 +85,7 @@ def refuse_to_parse_gguf(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF file was parsed again")
 
-    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(gguf_loading, "read_gguf", refuse)
 
 
 def test_a_gguf_is_converted_once_and_later_loads_read_the_copy(tiny_gguf, cache_dir, monkeypatch):
