@@ -221,3 +221,19 @@ def test_bad_sampling_configs_are_refused(kwargs, match):
 def test_sampling_params_need_requests():
     with pytest.raises(ValueError, match="one SamplingConfig per request"):
         SamplingParams.from_configs([])
+
+
+def test_sampling_params_hold_each_requests_values_as_float32_and_int32():
+    """Per request, in order; ``broadcast`` as one config per request would give."""
+    configs = [SamplingConfig(temperature=0.7, top_k=20, top_p=0.8), SamplingConfig(),
+               SamplingConfig(temperature=1.3, top_p=0.95)]
+    params = SamplingParams.from_configs(configs)
+    assert [x.dtype for x in params] == [jnp.float32, jnp.int32, jnp.float32]
+    np.testing.assert_array_equal(params.temperature_B, np.float32([0.7, 0.0, 1.3]))
+    np.testing.assert_array_equal(params.top_k_B, [20, 0, 0])
+    np.testing.assert_array_equal(params.top_p_B, np.float32([0.8, 1.0, 0.95]))
+    for config in configs:
+        broadcast, copies = SamplingParams.broadcast(config, 5), SamplingParams.from_configs([config] * 5)
+        for got, want in zip(broadcast, copies):
+            assert got.shape == (5,) and got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
