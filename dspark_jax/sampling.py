@@ -35,7 +35,7 @@ class SamplingParams(NamedTuple):
         if not configs:
             raise ValueError("need one SamplingConfig per request, got none")
         # Through numpy, which converts a list in C: jnp.asarray of a Python list goes element by
-        # element (12.8 s for the three lists of 8.4M requests, 0.9 s this way).
+        # element (12.8 s for the three lists of 8.4M requests, 1.1 s this way).
         return cls(
             jnp.asarray(np.array([c.temperature for c in configs], np.float32)),
             jnp.asarray(np.array([c.top_k for c in configs], np.int32)),

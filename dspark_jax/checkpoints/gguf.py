@@ -106,7 +106,8 @@ def _reader_class():
     GGUF (98k strings: tokens and merges) took 3.1-3.3 s, against 1.0-1.1 s from the view
     (llama.cpp's PR #13378 would speed up gguf's own reader; it is not merged). The view shares
     the mapping, so tensor data is still read only when used. Fields and tensors are those
-    ``GGUFReader`` gives, as arrays rather than memmaps (tested)."""
+    ``GGUFReader`` gives, as arrays rather than memmaps. This overrides a private method, so gguf
+    is pinned, and a test compares the two readers on every field and tensor."""
     from gguf import GGUFReader
 
     class Reader(GGUFReader):
