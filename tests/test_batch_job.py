@@ -387,6 +387,7 @@ def test_data_parallel_batches_split_over_eight_devices_give_the_one_device_file
     assert got["refusal"] == "--data-parallel splits each batch over 8 devices: --batch-size 12 is not a multiple of 8"
 
 
+@pytest.mark.slow  # about 60 s; in CI: the split rule in two processes (test_multihost), parts merged in one (above)
 def test_two_processes_share_a_job_and_write_the_one_process_file(tmp_path, capsys, shared_target):
     """Two processes joined as one multi-host run answer every other request each (sampled ones
     included: a request's seed is its own) into their own parts, and process 0 writes the file one

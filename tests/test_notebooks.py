@@ -21,7 +21,14 @@ def test_the_notebooks_named_in_the_readme_are_here():
     assert {p.stem for p in NOTEBOOKS} == {"quickstart", "train_your_drafter", "serving_under_load"}
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+# The quickstart runs in CI. The other two (about two minutes each) run in `make test-all`:
+# what they show is tested piece by piece in CI (training, calibration and profiling in
+# test_train, test_calibrate and test_cli; serving in test_load and test_continuous_batching).
+CI_NOTEBOOKS = {"quickstart"}
+
+
+@pytest.mark.parametrize("path", [p if p.stem in CI_NOTEBOOKS else pytest.param(p, marks=pytest.mark.slow)
+                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     # This interpreter's kernel, whatever kernels the user running the suite has installed
     # (JUPYTER_PATH comes before the user's own kernel directory).
