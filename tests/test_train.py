@@ -925,7 +925,7 @@ def test_eight_device_data_parallel_equals_one_device(tiny_parts):
     np.testing.assert_allclose(curves["online1"][0], curves["cached1"][0], rtol=1e-5)
 
 
-@pytest.mark.slow  # about 90 s; CI runs two processes through a budgeted run below, and 8 devices in one
+@pytest.mark.slow  # about 90 s; in CI: two processes in a budgeted run (below), 8 devices in one process (above)
 def test_two_processes_split_the_cache_and_train_as_one_device_does(tmp_path, tiny_parts):
     """`dspark train` run by two processes joined as one multi-host run (2 simulated CPU devices
     each). Each answers its own shard of the target cache, which then holds the 1-process cache's
