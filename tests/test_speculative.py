@@ -11,16 +11,22 @@ import pytest
 from flax import nnx
 
 from dspark_jax.config import DrafterConfig, SamplingConfig
-from dspark_jax.decoding.autoregressive import AutoregressiveGenerator
+from dspark_jax.decoding.autoregressive import (
+    AutoregressiveGenerator,
+    prepare_requests,
+    prompt_width,
+)
 from dspark_jax.decoding.speculative import (
     FixedPolicy,
     SpeculativeDecoder,
     ThresholdPolicy,
     parse_policy,
+    speculative_generate,
+    stop_id_array,
 )
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.model import Drafter
-from dspark_jax.sampling import SamplingParams
+from dspark_jax.sampling import SamplingParams, request_keys
 from tests.multidevice import run_on_eight_devices
 from tests.prompts import mixed_prompts, random_drafter
 from tests.tiny import cast_target, sharp_tiny_target, tiny_target
@@ -229,6 +235,52 @@ def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
     assert result.tokens == reference.tokens and result.tau > 1.0
     float32 = AutoregressiveGenerator(target).generate(prompts, max_new_tokens=16, max_len=48)
     assert float32.tokens != reference.tokens, "bf16 rounding changed no token: the test cannot tell the dtypes apart"
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy(3), ThresholdPolicy(0.5)], ids=["fixed", "threshold"])
+def test_a_generation_in_one_jitted_program_emits_the_strict_decoders_tokens(tiny, policy):
+    """``speculative_generate`` under the caller's own ``jax.jit`` (the drafter passed as its
+    state, merged inside): for greedy and sampled requests of several prompt lengths and limits,
+    with a stop id, each request's tokens, its finish and τ are those of
+    ``SpeculativeDecoder(strict=True).generate``, and drafts were accepted."""
+    target, drafter = tiny
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 12, size=n).tolist() for n in (2, 9, 5, 3, 7, 4)]
+    sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 3
+    # Requests 1 and 5 stop mid-answer; the last is request 1 again, cut just before its stop id.
+    prompts, sampling = prompts + prompts[1:2], sampling + sampling[1:2]
+    limits, stops = [20, 20, 7, 1, 13, 20, 8], [0, 11]
+    decoder = SpeculativeDecoder(target, drafter, policy=policy, strict=True)
+    max_len = 48
+    host = decoder.generate(prompts, max_new_tokens=limits, sampling=sampling, seeds=5, stop_ids=stops, max_len=max_len)
+
+    requests = prepare_requests(prompts, target.cfg.vocab_size, limits, sampling, 5, stops)
+    tokens = requests.padded_BxP[:, : prompt_width(max(requests.lens), max_len)]  # the host's prefill shape
+    graph, drafter_state = nnx.split(drafter)
+    width = drafter.cfg.block_size + 1
+
+    @jax.jit
+    def generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
+        return speculative_generate(target, nnx.merge(graph, drafter_state), policy, params, tokens, lens, keys,
+                                    sampling, stop_ids, limits, width=width, max_new_tokens=20, max_len=max_len)
+
+    out = generate(target.params, drafter_state, tokens, jnp.asarray(requests.lens), requests.keys_B, requests.params,
+                   stop_id_array(stops), jnp.asarray(limits))
+    num = np.asarray(out.num_tokens_B)
+    assert [row[:n].tolist() for row, n in zip(np.asarray(out.tokens_BxN), num)] == host.tokens
+    assert (np.asarray(out.tokens_BxN)[np.arange(20)[None, :] >= num[:, None]] == -1).all()
+    assert ["stop" if s else "length" for s in np.asarray(out.stopped_B)] == host.finish_reasons
+    assert "stop" in host.finish_reasons and "length" in host.finish_reasons
+    assert int(out.committed_B.sum()) / int(out.rounds_B.sum()) == pytest.approx(host.tau)
+    assert host.tau > 1.2, "the drafter should get drafts accepted on a 12-token vocabulary"
+
+
+def test_a_generation_in_one_program_refuses_a_cache_it_does_not_fit(tiny):
+    target, drafter = tiny
+    with pytest.raises(ValueError, match="prompt width 8 \\+ max_new_tokens 20 \\+ verify width 4 does not fit the cache length 31"):
+        speculative_generate(target, drafter, FixedPolicy(3), target.params, jnp.ones((1, 8), jnp.int32),
+                             jnp.asarray([8]), request_keys([0]), SamplingParams.broadcast(SamplingConfig(), 1),
+                             stop_id_array([2]), jnp.asarray([20]), width=4, max_new_tokens=20, max_len=31)
 
 
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):

@@ -25,6 +25,7 @@ from dspark_jax.decoding.speculative import (
     FixedPolicy,
     SpeculativeDecoder,
     prefill_step,
+    speculative_generate,
     speculative_round,
     stop_id_array,
 )
@@ -251,3 +252,24 @@ def test_a_round_runs_inside_a_users_own_jit(linen):
     assert np.array_equal(np.asarray(verdict_real.emitted_BxE)[:, :1], np.asarray([[t[1]] for t in out]))
     assert len(traces) == 1
 
+
+def test_a_whole_generation_runs_inside_a_users_own_jit(linen):
+    """``speculative_generate`` on a target whose cache keeps layers first: the prefill and every
+    round in one jitted program give the target's greedy tokens."""
+    target, drafter, reference = linen
+    graph, drafter_state = nnx.split(drafter)
+    batch, limit = len(PROMPTS), 20
+    padded = np.zeros((batch, 16), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        padded[row, : len(prompt)] = prompt
+
+    @jax.jit
+    def user_generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
+        return speculative_generate(target, nnx.merge(graph, drafter_state), FixedPolicy(GAMMA), params, tokens, lens,
+                                    keys, sampling, stop_ids, limits, width=GAMMA + 1, max_new_tokens=limit, max_len=64)
+
+    out = user_generate(target.params, drafter_state, jnp.asarray(padded), jnp.asarray([len(p) for p in PROMPTS]),
+                        request_keys(range(batch)), SamplingParams.broadcast(SamplingConfig(), batch),
+                        stop_id_array(()), jnp.full((batch,), limit))
+    assert np.asarray(out.tokens_BxN).tolist() == reference.tokens
+    assert (np.asarray(out.num_tokens_B) == limit).all() and not np.asarray(out.stopped_B).any()

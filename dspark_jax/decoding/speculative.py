@@ -19,6 +19,9 @@ next does: verify at least some number of drafts a row (its ``floor``), or run *
 target steps that skip the draft (ℓ = 0 for every row). Both are decided before that round's
 drafts exist. With more prompts than ``batch_size`` rows, a finished request's row is
 prefilled with the next prompt between rounds (continuous batching, ``decoding.slots``).
+
+``speculative_generate`` is the same rounds without the host: a whole generation as one
+program for a caller's ``jax.jit`` (a ``lax.while_loop`` over rounds at one static width).
 """
 
 from __future__ import annotations
@@ -246,6 +249,63 @@ def speculative_round(target, drafter, policy, params, state, keys_B, sampling, 
         target, drafter, params, state, block, lengths, keys_B, sampling, active_B, stop_ids, width=width
     )
     return verdict, lengths, new_state
+
+
+class DeviceGeneration(NamedTuple):
+    tokens_BxN: jax.Array  # int32 [B, max_new_tokens]: each request's tokens, then -1
+    num_tokens_B: jax.Array  # int32: tokens per request (its limit, or up to and including a stop id)
+    stopped_B: jax.Array  # bool: the request ended on a stop id (else at its limit)
+    rounds_B: jax.Array  # int32: speculative rounds the request took part in
+    committed_B: jax.Array  # int32: tokens those rounds committed, before the cut at the limit
+
+
+def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, keys_B, sampling, stop_ids, limits_B,
+                         *, width: int, max_new_tokens: int, max_len: int) -> DeviceGeneration:
+    """Prefill, then speculative rounds in a ``lax.while_loop`` until every request has stopped
+    or reached its limit: a whole generation in one program that any ``jax.jit`` can trace, with
+    no host round trip per round. Every round drafts and verifies at the one static ``width``
+    (``γ + 1``, as ``SpeculativeDecoder(strict=True)``, whose tokens these are for the same
+    inputs); the policy's lengths are its choice from zero drafts, since plain rounds and planned
+    floors are the host loop's. ``limits_B`` (each ``1..max_new_tokens``) cut each request as
+    ``max_new_tokens`` does in ``generate``; the caches hold ``max_len`` positions, at least
+    ``tokens_BxP.shape[1] + max_new_tokens + width``. One device: ``SpeculativeDecoder(mesh=...)``
+    splits a batch over several."""
+    batch, prompt_len = tokens_BxP.shape
+    if prompt_len + max_new_tokens + width > max_len:
+        raise ValueError(f"prompt width {prompt_len} + max_new_tokens {max_new_tokens} + verify width {width} "
+                         f"does not fit the cache length {max_len}")
+    cache = target.new_cache(batch, max_len)
+    context = drafter.new_context(batch, max_len, feature_dtype(target))
+    first, state = prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling)
+    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    stopped = (first[:, None] == stop_ids[None, :]).any(-1)
+    zeros = jnp.zeros((batch,), jnp.int32)
+    start = DeviceGeneration(out, jnp.ones((batch,), jnp.int32), stopped, zeros, zeros)
+
+    def unfinished(carry):
+        generation, _ = carry
+        return (~generation.stopped_B & (generation.num_tokens_B < limits_B)).any()
+
+    def one_round(carry):
+        generation, state = carry
+        active = ~generation.stopped_B & (generation.num_tokens_B < limits_B)
+        verdict, _, state = speculative_round(
+            target, drafter, policy, params, state, keys_B, sampling, active, stop_ids, width=width)
+        emitted = jnp.where(active, verdict.num_emitted_B, 0)
+        # A request keeps what fits its limit; a stop id counts only if it fits (as in Completions).
+        kept = jnp.minimum(emitted, limits_B - generation.num_tokens_B)
+        offsets = jnp.arange(verdict.emitted_BxE.shape[1])
+        slots = jnp.where(offsets < kept[:, None], generation.num_tokens_B[:, None] + offsets, max_new_tokens)
+        tokens = jax.vmap(lambda row, at, new: row.at[at].set(new, mode="drop"))(
+            generation.tokens_BxN, slots, verdict.emitted_BxE)
+        return DeviceGeneration(
+            tokens, generation.num_tokens_B + kept,
+            generation.stopped_B | (active & verdict.stopped_B & (emitted <= kept)),
+            state.round_B, generation.committed_B + emitted,
+        ), state
+
+    generation, _ = jax.lax.while_loop(unfinished, one_round, (start, state))
+    return generation
 
 
 @dataclasses.dataclass
