@@ -8,7 +8,7 @@ import pytest
 from tests.test_cli import REPO, load_script
 
 # Every script that writes a JSON report with --out (eval_calibration's --out is required).
-WRITERS = ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler", "bench_serving", "bench_speculative",
+WRITERS = ["bench_batch", "bench_cache", "bench_drafter", "bench_one_program", "bench_scheduler", "bench_serving", "bench_speculative",
            "bench_startup", "bench_target", "eval_calibration", "eval_heldout", "eval_long_answers", "exactness_report"]
 PLOTTERS = ["bench_scheduler", "bench_serving", "bench_speculative", "bench_target"]  # a PNG beside the JSON
 
@@ -41,7 +41,7 @@ def test_an_out_path_ending_in_png_is_refused_where_the_plot_goes_beside_the_jso
     assert "names the JSON file; the PNG is written beside it" in error and "r.json" in error
 
 
-@pytest.mark.parametrize("script", ["bench_batch", "bench_cache", "bench_drafter", "bench_scheduler",
+@pytest.mark.parametrize("script", ["bench_batch", "bench_cache", "bench_drafter", "bench_one_program", "bench_scheduler",
                                     "bench_serving", "bench_speculative", "bench_startup", "bench_target", "eval_heldout",
                                     "eval_long_answers"])
 def test_default_out_paths_are_in_the_repository_docs_wherever_the_script_runs(script, tmp_path, monkeypatch):
@@ -65,6 +65,8 @@ def test_default_out_paths_are_in_the_repository_docs_wherever_the_script_runs(s
     ("bench_target", ["--repeats", "-1"]),
     ("bench_target", ["--steps", "0"]),
     ("bench_drafter", ["--repeats", "0"]),
+    ("bench_one_program", ["--prompts", "0"]),
+    ("bench_one_program", ["--repeats", "0"]),
     ("bench_startup", ["--rounds", "0"]),
     ("bench_startup", ["--rounds", "-1"]),
     ("eval_calibration", ["--prompts", "0", "--out", "x.json"]),
@@ -80,6 +82,12 @@ def test_quick_defaults_fill_only_the_counts_left_unset():
     assert (args.batches, args.batches_per_size, args.max_new_tokens) == ([1, 4], 1, 1)
     args = parse("bench_target", ["--steps", "8", "4"])
     assert args.steps == [1, 4, 8] and args.repeats == 15  # T = 1 is always measured: the ratios are against it
+
+
+def test_one_program_batches_must_divide_the_prompts(capsys):
+    """Every batch of the comparison holds B prompts: a last, smaller one would compile its own shapes."""
+    assert parse("bench_one_program", ["--quick"]).batches == [1]
+    assert "--prompts 6 is not a multiple of batch size 4" in refusal("bench_one_program", ["--prompts", "6"], capsys)
 
 
 def test_scheduler_ratios_are_nan_when_target_only_timed_no_decode_step():

@@ -275,12 +275,17 @@ def test_a_generation_in_one_jitted_program_emits_the_strict_decoders_tokens(tin
     assert host.tau > 1.2, "the drafter should get drafts accepted on a 12-token vocabulary"
 
 
-def test_a_generation_in_one_program_refuses_a_cache_it_does_not_fit(tiny):
+@pytest.mark.parametrize("columns, max_new_tokens, match", [
+    (32, 4, "a prefill of 32 columns does not fit the cache length 24"),
+    (8, 20, r"a one-token prompt \+ max_new_tokens 20 \+ verify width 4 does not fit the cache length 24"),
+])
+def test_a_generation_in_one_program_refuses_a_cache_it_cannot_fit(tiny, columns, max_new_tokens, match):
     target, drafter = tiny
-    with pytest.raises(ValueError, match="prompt width 8 \\+ max_new_tokens 20 \\+ verify width 4 does not fit the cache length 31"):
-        speculative_generate(target, drafter, FixedPolicy(3), target.params, jnp.ones((1, 8), jnp.int32),
-                             jnp.asarray([8]), request_keys([0]), SamplingParams.broadcast(SamplingConfig(), 1),
-                             stop_id_array([2]), jnp.asarray([20]), width=4, max_new_tokens=20, max_len=31)
+    with pytest.raises(ValueError, match=match):
+        speculative_generate(target, drafter, FixedPolicy(3), target.params, jnp.ones((1, columns), jnp.int32),
+                             jnp.asarray([2]), request_keys([0]), SamplingParams.broadcast(SamplingConfig(), 1),
+                             stop_id_array([2]), jnp.asarray([max_new_tokens]), width=4,
+                             max_new_tokens=max_new_tokens, max_len=24)
 
 
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):

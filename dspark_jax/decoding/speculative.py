@@ -267,13 +267,16 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     (``γ + 1``, as ``SpeculativeDecoder(strict=True)``, whose tokens these are for the same
     inputs); the policy's lengths are its choice from zero drafts, since plain rounds and planned
     floors are the host loop's. ``limits_B`` (each ``1..max_new_tokens``) cut each request as
-    ``max_new_tokens`` does in ``generate``; the caches hold ``max_len`` positions, at least
-    ``tokens_BxP.shape[1] + max_new_tokens + width``. One device: ``SpeculativeDecoder(mesh=...)``
-    splits a batch over several."""
+    ``max_new_tokens`` does in ``generate``. The caches hold ``max_len`` positions: each request's
+    prompt + limit + ``width`` must fit (``prepare_requests(...).check_fits(max_len, width)``
+    checks a batch on the host; past the end a cache would drop writes), and so must the prefill's
+    columns. One device: ``SpeculativeDecoder(mesh=...)`` splits a batch over several."""
     batch, prompt_len = tokens_BxP.shape
-    if prompt_len + max_new_tokens + width > max_len:
-        raise ValueError(f"prompt width {prompt_len} + max_new_tokens {max_new_tokens} + verify width {width} "
-                         f"does not fit the cache length {max_len}")
+    if prompt_len > max_len:
+        raise ValueError(f"a prefill of {prompt_len} columns does not fit the cache length {max_len}")
+    if 1 + max_new_tokens + width > max_len:
+        raise ValueError(f"a one-token prompt + max_new_tokens {max_new_tokens} + verify width {width} does not fit "
+                         f"the cache length {max_len}")
     cache = target.new_cache(batch, max_len)
     context = drafter.new_context(batch, max_len, feature_dtype(target))
     first, state = prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling)
