@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     @jax.jit
     def one_program(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
         return speculative_generate(target, nnx.merge(graph, drafter_state), policy, params, tokens, lens, keys,
-                                    sampling, stop_ids, limits, width=gamma + 1, max_new_tokens=new, max_len=max_len)
+                                    sampling, stop_ids, limits, max_new_tokens=new, max_len=max_len,
+                                    verify_widths=host.verify_widths)
 
     per_batch, same = {}, True
     for b in args.batches:

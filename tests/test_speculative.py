@@ -237,12 +237,14 @@ def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
     assert float32.tokens != reference.tokens, "bf16 rounding changed no token: the test cannot tell the dtypes apart"
 
 
-@pytest.mark.parametrize("policy", [FixedPolicy(3), ThresholdPolicy(0.5)], ids=["fixed", "threshold"])
-def test_a_generation_in_one_jitted_program_emits_the_strict_decoders_tokens(tiny, policy):
+@pytest.mark.parametrize("strict", [False, True], ids=["widths", "strict"])
+@pytest.mark.parametrize("policy", [FixedPolicy(1), ThresholdPolicy(0.5)], ids=["fixed", "threshold"])
+def test_a_generation_in_one_jitted_program_emits_the_decoders_tokens(tiny, policy, strict):
     """``speculative_generate`` under the caller's own ``jax.jit`` (the drafter passed as its
     state, merged inside): for greedy and sampled requests of several prompt lengths and limits,
     with a stop id, each request's tokens, its finish and τ are those of
-    ``SpeculativeDecoder(strict=True).generate``, and drafts were accepted."""
+    ``SpeculativeDecoder.generate``, with the verify widths it picks from (1, 2, 4) or in strict
+    mode (4 alone), and drafts were accepted."""
     target, drafter = tiny
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 12, size=n).tolist() for n in (2, 9, 5, 3, 7, 4)]
@@ -250,19 +252,19 @@ def test_a_generation_in_one_jitted_program_emits_the_strict_decoders_tokens(tin
     # Requests 1 and 5 stop mid-answer; the last is request 1 again, cut just before its stop id.
     prompts, sampling = prompts + prompts[1:2], sampling + sampling[1:2]
     limits, stops = [20, 20, 7, 1, 13, 20, 8], [0, 11]
-    decoder = SpeculativeDecoder(target, drafter, policy=policy, strict=True)
+    decoder = SpeculativeDecoder(target, drafter, policy=policy, strict=strict)
     max_len = 48
     host = decoder.generate(prompts, max_new_tokens=limits, sampling=sampling, seeds=5, stop_ids=stops, max_len=max_len)
 
     requests = prepare_requests(prompts, target.cfg.vocab_size, limits, sampling, 5, stops)
     tokens = requests.padded_BxP[:, : prompt_width(max(requests.lens), max_len)]  # the host's prefill shape
     graph, drafter_state = nnx.split(drafter)
-    width = drafter.cfg.block_size + 1
 
     @jax.jit
     def generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
         return speculative_generate(target, nnx.merge(graph, drafter_state), policy, params, tokens, lens, keys,
-                                    sampling, stop_ids, limits, width=width, max_new_tokens=20, max_len=max_len)
+                                    sampling, stop_ids, limits, max_new_tokens=20, max_len=max_len,
+                                    verify_widths=decoder.verify_widths)
 
     out = generate(target.params, drafter_state, tokens, jnp.asarray(requests.lens), requests.keys_B, requests.params,
                    stop_id_array(stops), jnp.asarray(limits))
@@ -273,6 +275,12 @@ def test_a_generation_in_one_jitted_program_emits_the_strict_decoders_tokens(tin
     assert "stop" in host.finish_reasons and "length" in host.finish_reasons
     assert int(out.committed_B.sum()) / int(out.rounds_B.sum()) == pytest.approx(host.tau)
     assert host.tau > 1.2, "the drafter should get drafts accepted on a 12-token vocabulary"
+    assert dict(zip(decoder.verify_widths, np.asarray(out.rounds_per_width).tolist())) == {
+        w: host.width_histogram.get(w, 0) for w in decoder.verify_widths}
+    if strict or isinstance(policy, FixedPolicy):
+        assert set(host.verify_widths) == ({4} if strict else {2})
+    else:
+        assert len(set(host.verify_widths)) > 1, "the threshold policy should verify at several widths"
 
 
 @pytest.mark.parametrize("columns, max_new_tokens, match", [
@@ -284,8 +292,8 @@ def test_a_generation_in_one_program_refuses_a_cache_it_cannot_fit(tiny, columns
     with pytest.raises(ValueError, match=match):
         speculative_generate(target, drafter, FixedPolicy(3), target.params, jnp.ones((1, columns), jnp.int32),
                              jnp.asarray([2]), request_keys([0]), SamplingParams.broadcast(SamplingConfig(), 1),
-                             stop_id_array([2]), jnp.asarray([max_new_tokens]), width=4,
-                             max_new_tokens=max_new_tokens, max_len=24)
+                             stop_id_array([2]), jnp.asarray([max_new_tokens]), max_new_tokens=max_new_tokens,
+                             max_len=24)
 
 
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):

@@ -266,7 +266,7 @@ def test_a_whole_generation_runs_inside_a_users_own_jit(linen):
     @jax.jit
     def user_generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
         return speculative_generate(target, nnx.merge(graph, drafter_state), FixedPolicy(GAMMA), params, tokens, lens,
-                                    keys, sampling, stop_ids, limits, width=GAMMA + 1, max_new_tokens=limit, max_len=64)
+                                    keys, sampling, stop_ids, limits, max_new_tokens=limit, max_len=64)
 
     out = user_generate(target.params, drafter_state, jnp.asarray(padded), jnp.asarray([len(p) for p in PROMPTS]),
                         request_keys(range(batch)), SamplingParams.broadcast(SamplingConfig(), batch),

@@ -21,7 +21,8 @@ drafts exist. With more prompts than ``batch_size`` rows, a finished request's r
 prefilled with the next prompt between rounds (continuous batching, ``decoding.slots``).
 
 ``speculative_generate`` is the same rounds without the host: a whole generation as one
-program for a caller's ``jax.jit`` (a ``lax.while_loop`` over rounds at one static width).
+program for a caller's ``jax.jit`` (a ``lax.while_loop`` over rounds, the width picked on the
+device).
 """
 
 from __future__ import annotations
@@ -163,6 +164,20 @@ def stop_id_array(stop_ids: Sequence[int]) -> jax.Array:
     return jnp.asarray(ids + [-1] * (bucket(len(ids), MIN_STOP_ID_SLOTS) - len(ids)), jnp.int32)
 
 
+def checked_verify_widths(widths: Sequence[int] | None, gamma: int) -> tuple[int, ...]:
+    """The verify forward widths a round picks from, sorted: ``widths`` (default: the powers of
+    two below a full block, 1, 2, 4 for γ = 7), each in ``1..γ + 1``, with ``γ + 1`` added so
+    that some width fits a full block ``[anchor, x_1..x_γ]``."""
+    if widths is None:
+        widths = [2**k for k in range(gamma.bit_length())]
+    widths = as_ints(widths, "verify_widths")
+    bad = sorted(w for w in set(widths) if not 1 <= w <= gamma + 1)
+    if bad:
+        raise ValueError(f"verify_widths {bad} are outside 1..{gamma + 1}: a verify forward scores the anchor "
+                         f"and at most γ = {gamma} drafts")
+    return tuple(sorted(set(widths) | {gamma + 1}))
+
+
 class DecodeState(NamedTuple):
     target_cache: Any  # the target's cache (dspark_jax.decoding.target_protocol.TargetCache)
     context: Any  # the drafter's own pytree (dspark_jax.drafter.interface)
@@ -257,33 +272,41 @@ class DeviceGeneration(NamedTuple):
     stopped_B: jax.Array  # bool: the request ended on a stop id (else at its limit)
     rounds_B: jax.Array  # int32: speculative rounds the request took part in
     committed_B: jax.Array  # int32: tokens those rounds committed, before the cut at the limit
+    rounds_per_width: jax.Array  # int32 [len(verify_widths)]: the batch's rounds verified at each width
 
 
 def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, keys_B, sampling, stop_ids, limits_B,
-                         *, width: int, max_new_tokens: int, max_len: int) -> DeviceGeneration:
+                         *, max_new_tokens: int, max_len: int, verify_widths: Sequence[int] | None = None,
+                         ) -> DeviceGeneration:
     """Prefill, then speculative rounds in a ``lax.while_loop`` until every request has stopped
     or reached its limit: a whole generation in one program that any ``jax.jit`` can trace, with
-    no host round trip per round. Every round drafts and verifies at the one static ``width``
-    (``γ + 1``, as ``SpeculativeDecoder(strict=True)``, whose tokens these are for the same
-    inputs); the policy's lengths are its choice from zero drafts, since plain rounds and planned
-    floors are the host loop's. ``limits_B`` (each ``1..max_new_tokens``) cut each request as
-    ``max_new_tokens`` does in ``generate``. The caches hold ``max_len`` positions: each request's
-    prompt + limit + ``width`` must fit (``prepare_requests(...).check_fits(max_len, width)``
-    checks a batch on the host; past the end a cache would drop writes), and so must the prefill's
-    columns. One device: ``SpeculativeDecoder(mesh=...)`` splits a batch over several."""
+    no host round trip per round. Each round verifies at the narrowest of ``verify_widths`` (as
+    ``SpeculativeDecoder``'s, default and checks included) that holds its longest verify length,
+    picked on the device (``lax.switch``), so the tokens are ``SpeculativeDecoder(target, drafter,
+    policy=policy, verify_widths=...)``'s for the same inputs (``verify_widths=(γ + 1,)``:
+    ``strict=True``'s). Plain rounds and planned floors are the host loop's: here every round
+    drafts and the policy's lengths are its choice from zero drafts. ``limits_B`` (each
+    ``1..max_new_tokens``) cut each request as ``max_new_tokens`` does in ``generate``. The caches
+    hold ``max_len`` positions: each request's prompt + limit + γ + 1 must fit
+    (``prepare_requests(...).check_fits(max_len, γ + 1)`` checks a batch on the host; past the end
+    a cache would drop writes), and so must the prefill's columns. One device:
+    ``SpeculativeDecoder(mesh=...)`` splits a batch over several."""
+    widths = checked_verify_widths(verify_widths, drafter.cfg.block_size)
     batch, prompt_len = tokens_BxP.shape
     if prompt_len > max_len:
         raise ValueError(f"a prefill of {prompt_len} columns does not fit the cache length {max_len}")
-    if 1 + max_new_tokens + width > max_len:
-        raise ValueError(f"a one-token prompt + max_new_tokens {max_new_tokens} + verify width {width} does not fit "
-                         f"the cache length {max_len}")
+    if 1 + max_new_tokens + widths[-1] > max_len:
+        raise ValueError(f"a one-token prompt + max_new_tokens {max_new_tokens} + verify width {widths[-1]} does not "
+                         f"fit the cache length {max_len}")
     cache = target.new_cache(batch, max_len)
     context = drafter.new_context(batch, max_len, feature_dtype(target))
     first, state = prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling)
     out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
     stopped = (first[:, None] == stop_ids[None, :]).any(-1)
     zeros = jnp.zeros((batch,), jnp.int32)
-    start = DeviceGeneration(out, jnp.ones((batch,), jnp.int32), stopped, zeros, zeros)
+    start = DeviceGeneration(out, jnp.ones((batch,), jnp.int32), stopped, zeros, zeros,
+                             jnp.zeros((len(widths),), jnp.int32))
+    verify_at = [functools.partial(verify_step, target, drafter, width=w) for w in widths]
 
     def unfinished(carry):
         generation, _ = carry
@@ -292,8 +315,10 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     def one_round(carry):
         generation, state = carry
         active = ~generation.stopped_B & (generation.num_tokens_B < limits_B)
-        verdict, _, state = speculative_round(
-            target, drafter, policy, params, state, keys_B, sampling, active, stop_ids, width=width)
+        block, lengths, _ = draft_step(target, drafter, policy, params, state, keys_B, sampling, active)
+        narrowest = jnp.searchsorted(jnp.asarray(widths), lengths.max() + 1)  # inactive rows' lengths are 0
+        verdict, state = jax.lax.switch(
+            narrowest, verify_at, params, state, block, lengths, keys_B, sampling, active, stop_ids)
         emitted = jnp.where(active, verdict.num_emitted_B, 0)
         # A request keeps what fits its limit; a stop id counts only if it fits (as in Completions).
         kept = jnp.minimum(emitted, limits_B - generation.num_tokens_B)
@@ -304,7 +329,7 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
         return DeviceGeneration(
             tokens, generation.num_tokens_B + kept,
             generation.stopped_B | (active & verdict.stopped_B & (emitted <= kept)),
-            state.round_B, generation.committed_B + emitted,
+            state.round_B, generation.committed_B + emitted, generation.rounds_per_width.at[narrowest].add(1),
         ), state
 
     generation, _ = jax.lax.while_loop(unfinished, one_round, (start, state))
@@ -388,16 +413,10 @@ class SpeculativeDecoder:
         self.target, self.cfg, self.strict = target, drafter.cfg, strict
         self.rows = RowSplit(mesh)
         gamma = self.cfg.block_size
-        if verify_widths is None:  # powers of two below a full block (1, 2, 4 for γ = 7)
-            verify_widths = [2**k for k in range(gamma.bit_length())]
-        widths = as_ints(verify_widths, "verify_widths")
-        bad = sorted(w for w in set(widths) if not 1 <= w <= gamma + 1)
-        if bad:
-            raise ValueError(f"verify_widths {bad} are outside 1..{gamma + 1}: a verify forward scores the anchor "
-                             f"and at most γ = {gamma} drafts")
-        # Some bucket must fit a full block: [anchor, x_1..x_γ]. Strict mode verifies every round
-        # at that width alone, the one the reference generator steps with.
-        self.verify_widths = (gamma + 1,) if strict else tuple(sorted(set(widths) | {gamma + 1}))
+        widths = checked_verify_widths(verify_widths, gamma)
+        # Strict mode verifies every round at a full block's width alone, the one the reference
+        # generator steps with.
+        self.verify_widths = (gamma + 1,) if strict else widths
         self._feature_dtype = feature_dtype(target)
         self.drafter_graph, drafter_state = nnx.split(drafter)
         self.params, self.drafter_state = self.rows.replicate((target.params, drafter_state))
