@@ -21,7 +21,7 @@ from dspark_jax.decoding.speculative import (
 from dspark_jax.diagnostics import count_compilations
 from dspark_jax.drafter.eagle3 import Eagle3Drafter
 from dspark_jax.eval.replay import jit_with_drafter
-from tests.test_speculative import chi2, exact_first_two, sampled_first_two
+from tests.test_speculative import chi2, exact_first_two, in_one_program, sampled_first_two
 from tests.tiny import sharp_tiny_target
 
 GAMMA = 3
@@ -89,6 +89,18 @@ def test_greedy_equals_target_only_for_every_verify_length(setup, rows):
     result = decoder.generate([PROMPTS[r] for r in rows], max_new_tokens=NEW, max_len=MAX_LEN)
     assert result.tokens == [reference.tokens[r] for r in rows]
     assert set(np.concatenate(result.verify_lengths).tolist()) == {0, 1, GAMMA}
+
+
+def test_a_generation_in_one_jitted_program_emits_the_decoders_tokens(setup):
+    """``speculative_generate`` with the EAGLE-3 drafter (its own KV cache as the context):
+    greedy and sampled requests get ``SpeculativeDecoder.generate``'s tokens and τ."""
+    target, drafter, _, _ = setup
+    decoder = SpeculativeDecoder(target, drafter, policy=FixedPolicy(GAMMA))  # not scripted
+    sampling = [SamplingConfig(temperature=1.0), SamplingConfig(), SamplingConfig(temperature=1.0)]
+    host, device = in_one_program(decoder, PROMPTS, max_new_tokens=NEW, sampling=sampling, seeds=3, stop_ids=[],
+                                  max_len=MAX_LEN)
+    assert device["tokens"] == host.tokens and device["tau"] == pytest.approx(host.tau)
+    assert host.tau > 1.1
 
 
 def test_proposals_equal_the_ttt_pass_on_the_committed_sequence(setup):

@@ -237,46 +237,56 @@ def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
     assert float32.tokens != reference.tokens, "bf16 rounding changed no token: the test cannot tell the dtypes apart"
 
 
+def in_one_program(decoder, prompts, *, max_new_tokens, sampling, seeds, stop_ids, max_len):
+    """``(host, device)``: ``decoder.generate``'s result, and ``speculative_generate``'s for the
+    same requests and verify widths under a caller's own ``jax.jit`` (the drafter passed as its
+    state, merged inside), with each request's tokens as a list (``device.tokens``)."""
+    target, policy = decoder.target, decoder.policy
+    host = decoder.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seeds=seeds,
+                            stop_ids=stop_ids, max_len=max_len)
+    requests = prepare_requests(prompts, target.cfg.vocab_size, max_new_tokens, sampling, seeds, stop_ids)
+    tokens = requests.padded_BxP[:, : prompt_width(max(requests.lens), max_len)]  # the host's prefill shape
+    graph, drafter_state = decoder.drafter_graph, decoder.drafter_state
+
+    @jax.jit
+    def generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
+        return speculative_generate(target, nnx.merge(graph, drafter_state), policy, params, tokens, lens, keys,
+                                    sampling, stop_ids, limits, max_new_tokens=requests.max_new_tokens,
+                                    max_len=max_len, verify_widths=decoder.verify_widths)
+
+    out = generate(target.params, drafter_state, tokens, jnp.asarray(requests.lens), requests.keys_B, requests.params,
+                   stop_id_array(stop_ids), jnp.asarray(requests.limits))
+    num = np.asarray(out.num_tokens_B)
+    assert (np.asarray(out.tokens_BxN)[np.arange(out.tokens_BxN.shape[1])[None, :] >= num[:, None]] == -1).all()
+    # τ and the widths as the host loop counts them
+    device = dict(tokens=[row[:n].tolist() for row, n in zip(np.asarray(out.tokens_BxN), num)],
+                  finish_reasons=["stop" if s else "length" for s in np.asarray(out.stopped_B)],
+                  tau=int(out.committed_B.sum()) / int(out.rounds_B.sum()),
+                  width_histogram={w: n for w, n in zip(decoder.verify_widths, np.asarray(out.rounds_per_width).tolist())
+                                   if n})
+    return host, device
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["widths", "strict"])
 @pytest.mark.parametrize("policy", [FixedPolicy(1), ThresholdPolicy(0.5)], ids=["fixed", "threshold"])
 def test_a_generation_in_one_jitted_program_emits_the_decoders_tokens(tiny, policy, strict):
-    """``speculative_generate`` under the caller's own ``jax.jit`` (the drafter passed as its
-    state, merged inside): for greedy and sampled requests of several prompt lengths and limits,
-    with a stop id, each request's tokens, its finish and τ are those of
-    ``SpeculativeDecoder.generate``, with the verify widths it picks from (1, 2, 4) or in strict
-    mode (4 alone), and drafts were accepted."""
+    """``speculative_generate``: for greedy and sampled requests of several prompt lengths and
+    limits, with stop ids, each request's tokens, its finish, τ and the rounds at each verify
+    width are those of ``SpeculativeDecoder.generate``, with the widths it picks from (1, 2, 4)
+    or in strict mode (4 alone), and drafts were accepted."""
     target, drafter = tiny
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 12, size=n).tolist() for n in (2, 9, 5, 3, 7, 4)]
     sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 3
     # Requests 1 and 5 stop mid-answer; the last is request 1 again, cut just before its stop id.
     prompts, sampling = prompts + prompts[1:2], sampling + sampling[1:2]
-    limits, stops = [20, 20, 7, 1, 13, 20, 8], [0, 11]
     decoder = SpeculativeDecoder(target, drafter, policy=policy, strict=strict)
-    max_len = 48
-    host = decoder.generate(prompts, max_new_tokens=limits, sampling=sampling, seeds=5, stop_ids=stops, max_len=max_len)
-
-    requests = prepare_requests(prompts, target.cfg.vocab_size, limits, sampling, 5, stops)
-    tokens = requests.padded_BxP[:, : prompt_width(max(requests.lens), max_len)]  # the host's prefill shape
-    graph, drafter_state = nnx.split(drafter)
-
-    @jax.jit
-    def generate(params, drafter_state, tokens, lens, keys, sampling, stop_ids, limits):
-        return speculative_generate(target, nnx.merge(graph, drafter_state), policy, params, tokens, lens, keys,
-                                    sampling, stop_ids, limits, max_new_tokens=20, max_len=max_len,
-                                    verify_widths=decoder.verify_widths)
-
-    out = generate(target.params, drafter_state, tokens, jnp.asarray(requests.lens), requests.keys_B, requests.params,
-                   stop_id_array(stops), jnp.asarray(limits))
-    num = np.asarray(out.num_tokens_B)
-    assert [row[:n].tolist() for row, n in zip(np.asarray(out.tokens_BxN), num)] == host.tokens
-    assert (np.asarray(out.tokens_BxN)[np.arange(20)[None, :] >= num[:, None]] == -1).all()
-    assert ["stop" if s else "length" for s in np.asarray(out.stopped_B)] == host.finish_reasons
+    host, device = in_one_program(decoder, prompts, max_new_tokens=[20, 20, 7, 1, 13, 20, 8], sampling=sampling,
+                                  seeds=5, stop_ids=[0, 11], max_len=48)
+    assert device == {"tokens": host.tokens, "finish_reasons": host.finish_reasons, "tau": pytest.approx(host.tau),
+                      "width_histogram": host.width_histogram}
     assert "stop" in host.finish_reasons and "length" in host.finish_reasons
-    assert int(out.committed_B.sum()) / int(out.rounds_B.sum()) == pytest.approx(host.tau)
     assert host.tau > 1.2, "the drafter should get drafts accepted on a 12-token vocabulary"
-    assert dict(zip(decoder.verify_widths, np.asarray(out.rounds_per_width).tolist())) == {
-        w: host.width_histogram.get(w, 0) for w in decoder.verify_widths}
     if strict or isinstance(policy, FixedPolicy):
         assert set(host.verify_widths) == ({4} if strict else {2})
     else:
