@@ -293,17 +293,23 @@ def test_a_generation_in_one_jitted_program_emits_the_decoders_tokens(tiny, poli
         assert len(set(host.verify_widths)) > 1, "the threshold policy should verify at several widths"
 
 
-@pytest.mark.parametrize("columns, max_new_tokens, match", [
-    (32, 4, "a prefill of 32 columns does not fit the cache length 24"),
-    (8, 20, r"a one-token prompt \+ max_new_tokens 20 \+ verify width 4 does not fit the cache length 24"),
+@pytest.mark.parametrize("change, error, match", [
+    (dict(columns=32), ValueError, "a prefill of 32 columns does not fit the cache length 24"),
+    (dict(max_new_tokens=20), ValueError,
+     r"a one-token prompt \+ max_new_tokens 20 \+ verify width 4 does not fit the cache length 24"),
+    (dict(policy="fixed:3"), TypeError, r"parse_policy\('fixed:3'\)"),
+    (dict(verify_widths=(2, 9)), ValueError, r"verify_widths \[9\] are outside 1..4"),
 ])
-def test_a_generation_in_one_program_refuses_a_cache_it_cannot_fit(tiny, columns, max_new_tokens, match):
+def test_a_generation_in_one_program_refuses_what_the_decoder_refuses(tiny, change, error, match):
+    """Named before anything traces: a cache the prefill or the answers cannot fit, and what
+    ``SpeculativeDecoder`` refuses (a policy that is not one, widths past a full block)."""
     target, drafter = tiny
-    with pytest.raises(ValueError, match=match):
-        speculative_generate(target, drafter, FixedPolicy(3), target.params, jnp.ones((1, columns), jnp.int32),
+    given = dict(columns=8, max_new_tokens=4, policy=FixedPolicy(3), verify_widths=None) | change
+    with pytest.raises(error, match=match):
+        speculative_generate(target, drafter, given["policy"], target.params, jnp.ones((1, given["columns"]), jnp.int32),
                              jnp.asarray([2]), request_keys([0]), SamplingParams.broadcast(SamplingConfig(), 1),
-                             stop_id_array([2]), jnp.asarray([max_new_tokens]), max_new_tokens=max_new_tokens,
-                             max_len=24)
+                             stop_id_array([2]), jnp.asarray([given["max_new_tokens"]]),
+                             max_new_tokens=given["max_new_tokens"], max_len=24, verify_widths=given["verify_widths"])
 
 
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):

@@ -178,6 +178,22 @@ def checked_verify_widths(widths: Sequence[int] | None, gamma: int) -> tuple[int
     return tuple(sorted(set(widths) | {gamma + 1}))
 
 
+def check_policy(policy, cfg, verify_widths: tuple[int, ...]) -> None:
+    """Refuse, before anything compiles, a policy that is not one, that needs the confidence
+    head ``cfg`` (a drafter's config) lacks, or whose own widths or γ do not match (a scheduler's
+    cost table): each would otherwise fail inside the first jitted draft."""
+    if not callable(getattr(policy, "lengths", None)):
+        hint = f"parse_policy({policy!r})" if isinstance(policy, str) else "parse_policy('fixed:3')"
+        raise TypeError(f"policy must be a policy object (FixedPolicy(3), ThresholdPolicy(0.5), SchedulerPolicy(), "
+                        f"or any with a lengths() method; {hint} makes one from text), got {policy!r}")
+    gamma = cfg.block_size
+    if not cfg.confidence_head:
+        jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool), SamplingParams.broadcast(SamplingConfig(), 1)))
+    for check, value in (("check_widths", verify_widths), ("check_gamma", gamma)):
+        if hasattr(policy, check):
+            getattr(policy, check)(value)
+
+
 class DecodeState(NamedTuple):
     target_cache: Any  # the target's cache (dspark_jax.decoding.target_protocol.TargetCache)
     context: Any  # the drafter's own pytree (dspark_jax.drafter.interface)
@@ -292,6 +308,7 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     a cache would drop writes), and so must the prefill's columns. One device:
     ``SpeculativeDecoder(mesh=...)`` splits a batch over several."""
     widths = checked_verify_widths(verify_widths, drafter.cfg.block_size)
+    check_policy(policy, drafter.cfg, widths)
     batch, prompt_len = tokens_BxP.shape
     if prompt_len > max_len:
         raise ValueError(f"a prefill of {prompt_len} columns does not fit the cache length {max_len}")
@@ -452,17 +469,8 @@ class SpeculativeDecoder:
 
     def _set_policy(self, policy) -> None:
         """Bake ``policy`` into a freshly jitted draft step (the only step that reads it)."""
-        if not callable(getattr(policy, "lengths", None)):  # else it fails inside the first jitted draft
-            hint = f"parse_policy({policy!r})" if isinstance(policy, str) else "parse_policy('fixed:3')"
-            raise TypeError(f"policy must be a policy object (FixedPolicy(3), ThresholdPolicy(0.5), SchedulerPolicy(), "
-                            f"or any with a lengths() method; {hint} makes one from text), got {policy!r}")
+        check_policy(policy, self.cfg, self.verify_widths)
         gamma = self.cfg.block_size
-        if not self.cfg.confidence_head:
-            # A policy that needs confidence fails here, not at the first draft.
-            jax.eval_shape(lambda: policy.lengths(None, gamma, jnp.ones((1,), bool), SamplingParams.broadcast(SamplingConfig(), 1)))
-        for check, value in (("check_widths", self.verify_widths), ("check_gamma", gamma)):
-            if hasattr(policy, check):  # a mismatch fails here, not at the first draft
-                getattr(policy, check)(value)
         target, graph = self.target, self.drafter_graph
 
         def propose(params, drafter_state, state, keys_B, sampling):
