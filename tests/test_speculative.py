@@ -312,6 +312,18 @@ def test_a_generation_in_one_program_refuses_what_the_decoder_refuses(tiny, chan
                              max_new_tokens=given["max_new_tokens"], max_len=24, verify_widths=given["verify_widths"])
 
 
+def test_a_generation_in_one_program_clamps_each_limit_to_what_it_can_hold(tiny):
+    """Limits are data, so a traced program cannot refuse them: below 1 a request still gets its
+    prefill's token, past ``max_new_tokens`` it gets that many."""
+    target, drafter = tiny
+    out = jax.jit(lambda limits: speculative_generate(
+        target, drafter, FixedPolicy(3), target.params, jnp.asarray([[3, 1, 4], [1, 5, 9]], jnp.int32),
+        jnp.asarray([3, 3]), request_keys([0, 1]), SamplingParams.broadcast(SamplingConfig(), 2), stop_id_array([]),
+        limits, max_new_tokens=6, max_len=24))(jnp.asarray([0, 99]))
+    assert np.asarray(out.num_tokens_B).tolist() == [1, 6]
+    assert (np.asarray(out.tokens_BxN)[0, 1:] == -1).all() and (np.asarray(out.tokens_BxN)[1] >= 0).all()
+
+
 def test_a_drafter_that_proposes_an_id_outside_the_vocabulary_is_an_error(tiny):
     """A broken ``SpeculativeDrafter`` is named at its first bad draft, not decoded around."""
     target, drafter = tiny

@@ -301,8 +301,10 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     picked on the device (``lax.switch``), so the tokens are ``SpeculativeDecoder(target, drafter,
     policy=policy, verify_widths=...)``'s for the same inputs (``verify_widths=(γ + 1,)``:
     ``strict=True``'s). Plain rounds and planned floors are the host loop's: here every round
-    drafts and the policy's lengths are its choice from zero drafts. ``limits_B`` (each
-    ``1..max_new_tokens``) cut each request as ``max_new_tokens`` does in ``generate``. The caches
+    drafts and the policy's lengths are its choice from zero drafts. ``limits_B`` cut each request
+    as ``max_new_tokens`` does in ``generate``, clamped to ``1..max_new_tokens`` (data, which a
+    traced program cannot refuse: the prefill's token always comes, and ``tokens_BxN`` holds no
+    more than ``max_new_tokens``). The caches
     hold ``max_len`` positions: each request's prompt + limit + γ + 1 must fit
     (``prepare_requests(...).check_fits(max_len, γ + 1)`` checks a batch on the host; past the end
     a cache would drop writes), and so must the prefill's columns. One device:
@@ -315,6 +317,7 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     if 1 + max_new_tokens + widths[-1] > max_len:
         raise ValueError(f"a one-token prompt + max_new_tokens {max_new_tokens} + verify width {widths[-1]} does not "
                          f"fit the cache length {max_len}")
+    limits_B = jnp.clip(limits_B, 1, max_new_tokens)
     cache = target.new_cache(batch, max_len)
     context = drafter.new_context(batch, max_len, feature_dtype(target))
     first, state = prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling)
