@@ -240,7 +240,8 @@ def test_bfloat16_weights_decode_the_bfloat16_targets_tokens_in_strict_mode():
 def in_one_program(decoder, prompts, *, max_new_tokens, sampling, seeds, stop_ids, max_len):
     """``(host, device)``: ``decoder.generate``'s result, and ``speculative_generate``'s for the
     same requests and verify widths under a caller's own ``jax.jit`` (the drafter passed as its
-    state, merged inside), with each request's tokens as a list (``device.tokens``)."""
+    state, merged inside) as a dict in the host result's terms: ``tokens`` (a list a request),
+    ``finish_reasons``, ``tau`` and ``width_histogram``."""
     target, policy = decoder.target, decoder.policy
     host = decoder.generate(prompts, max_new_tokens=max_new_tokens, sampling=sampling, seeds=seeds,
                             stop_ids=stop_ids, max_len=max_len)
@@ -258,7 +259,6 @@ def in_one_program(decoder, prompts, *, max_new_tokens, sampling, seeds, stop_id
                    stop_id_array(stop_ids), jnp.asarray(requests.limits))
     num = np.asarray(out.num_tokens_B)
     assert (np.asarray(out.tokens_BxN)[np.arange(out.tokens_BxN.shape[1])[None, :] >= num[:, None]] == -1).all()
-    # τ and the widths as the host loop counts them
     device = dict(tokens=[row[:n].tolist() for row, n in zip(np.asarray(out.tokens_BxN), num)],
                   finish_reasons=["stop" if s else "length" for s in np.asarray(out.stopped_B)],
                   tau=int(out.committed_B.sum()) / int(out.rounds_B.sum()),
