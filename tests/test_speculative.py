@@ -271,21 +271,23 @@ def in_one_program(decoder, prompts, *, max_new_tokens, sampling, seeds, stop_id
 @pytest.mark.parametrize("policy", [FixedPolicy(1), ThresholdPolicy(0.5)], ids=["fixed", "threshold"])
 def test_a_generation_in_one_jitted_program_emits_the_decoders_tokens(tiny, policy, strict):
     """``speculative_generate``: for greedy and sampled requests of several prompt lengths and
-    limits, with stop ids, each request's tokens, its finish, τ and the rounds at each verify
+    limits, with stop ids (one the prefill's token), each request's tokens, its finish, τ and the rounds at each verify
     width are those of ``SpeculativeDecoder.generate``, with the widths it picks from (1, 2, 4)
     or in strict mode (4 alone), and drafts were accepted."""
     target, drafter = tiny
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 12, size=n).tolist() for n in (2, 9, 5, 3, 7, 4)]
     sampling = [SamplingConfig(temperature=1.0, top_k=6), SamplingConfig()] * 3
-    # Requests 1 and 5 stop mid-answer; the last is request 1 again, cut just before its stop id.
+    # Requests 1 and 5 stop mid-answer, request 3 on its prefill's token; the last is request 1
+    # again, cut just before its stop id.
     prompts, sampling = prompts + prompts[1:2], sampling + sampling[1:2]
     decoder = SpeculativeDecoder(target, drafter, policy=policy, strict=strict)
     host, device = in_one_program(decoder, prompts, max_new_tokens=[20, 20, 7, 1, 13, 20, 8], sampling=sampling,
-                                  seeds=5, stop_ids=[0, 11], max_len=48)
+                                  seeds=5, stop_ids=[0, 11, 1], max_len=48)
     assert device == {"tokens": host.tokens, "finish_reasons": host.finish_reasons, "tau": pytest.approx(host.tau),
                       "width_histogram": host.width_histogram}
     assert "stop" in host.finish_reasons and "length" in host.finish_reasons
+    assert (host.tokens[3], host.finish_reasons[3]) == ([1], "stop")
     assert host.tau > 1.2, "the drafter should get drafts accepted on a 12-token vocabulary"
     if strict or isinstance(policy, FixedPolicy):
         assert set(host.verify_widths) == ({4} if strict else {2})

@@ -322,7 +322,7 @@ def speculative_generate(target, drafter, policy, params, tokens_BxP, lens_B, ke
     context = drafter.new_context(batch, max_len, feature_dtype(target))
     first, state = prefill_step(target, drafter, params, cache, context, tokens_BxP, lens_B, keys_B, sampling)
     out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
-    stopped = (first[:, None] == stop_ids[None, :]).any(-1)
+    stopped = jnp.isin(first, stop_ids)  # as verify marks a stop id
     zeros = jnp.zeros((batch,), jnp.int32)
     start = DeviceGeneration(out, jnp.ones((batch,), jnp.int32), stopped, zeros, zeros,
                              jnp.zeros((len(widths),), jnp.int32))
